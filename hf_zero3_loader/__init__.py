@@ -1,0 +1,16 @@
+"""Load Hugging Face checkpoints straight into DeepSpeed ZeRO-3 partitions: every rank reads only its bytes."""
+
+from .errors import CheckpointError, ConfigError, DistributedLoadError, LoaderError, UnsupportedConversionError
+from .loader import LoadReport, from_pretrained
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "from_pretrained",
+    "LoadReport",
+    "LoaderError",
+    "CheckpointError",
+    "ConfigError",
+    "DistributedLoadError",
+    "UnsupportedConversionError",
+]

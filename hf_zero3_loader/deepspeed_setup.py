@@ -1,0 +1,105 @@
+"""Find the DeepSpeed config in force and decide the init context from it.
+
+Order: an explicit `ds_config` (dict or JSON path) -> transformers' `HfDeepSpeedConfig` weakref ->
+accelerate's `AcceleratorState` -> the environment `accelerate launch` sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass
+class DeepSpeedSetup:
+    config: dict
+    found_via: str
+
+    @property
+    def stage(self) -> int:
+        return int((self.config.get("zero_optimization") or {}).get("stage", 0) or 0)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype DeepSpeed trains in; None when the config leaves it to 'auto'."""
+        for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+            enabled = (self.config.get(key) or {}).get("enabled", False)
+            if enabled == "auto":
+                return None
+            if enabled:
+                return dtype
+        return torch.float32
+
+
+def _load_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read DeepSpeed config {path}: {e}") from e
+
+
+def _from_accelerate_env() -> dict | None:
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return None
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if path and path.lower() != "none":
+        return _load_json(path)
+    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    if stage is None:
+        return None
+    config: dict = {"zero_optimization": {"stage": int(stage)}}
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision in ("bf16", "fp16"):
+        config[precision] = {"enabled": True}
+    return config
+
+
+def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup | None:
+    if ds_config is not None:
+        config = _load_json(ds_config) if isinstance(ds_config, (str, os.PathLike)) else dict(ds_config)
+        return DeepSpeedSetup(config, "ds_config argument")
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    if deepspeed_config() is not None:
+        return DeepSpeedSetup(deepspeed_config(), "transformers HfDeepSpeedConfig")
+    try:
+        from accelerate.state import AcceleratorState
+
+        state = AcceleratorState._shared_state
+        plugin = state.get("deepspeed_plugins") or state.get("deepspeed_plugin")
+        if isinstance(plugin, dict):  # several named plugins: the active one
+            plugin = next((p for p in plugin.values() if getattr(p, "selected", False)), None)
+        if plugin is not None and getattr(plugin, "deepspeed_config", None):
+            return DeepSpeedSetup(plugin.deepspeed_config, "accelerate AcceleratorState")
+    except ImportError:
+        pass
+    config = _from_accelerate_env()
+    return DeepSpeedSetup(config, "accelerate launch environment") if config else None
+
+
+def check_supported(setup: DeepSpeedSetup) -> None:
+    zero = setup.config.get("zero_optimization") or {}
+    offload = zero.get("offload_param") or {}
+    if str(offload.get("device", "none")).lower() == "nvme":
+        raise ConfigError("NVMe parameter offload (zero_optimization.offload_param.device='nvme') is not supported")
+
+
+def resolve_dtype(setup: DeepSpeedSetup, requested) -> torch.dtype | str:
+    """Partitions must be in the engine's dtype: a conflicting explicit `dtype` is an error, not an override."""
+    if isinstance(requested, str) and requested != "auto":
+        requested = getattr(torch, requested)
+    engine = setup.dtype
+    if engine is None:
+        return requested if requested is not None else "auto"
+    if requested not in (None, "auto") and requested != engine:
+        raise ConfigError(
+            f"dtype={requested} conflicts with the DeepSpeed config, which trains in {engine} "
+            f"({setup.found_via}); ZeRO-3 partitions must be in the engine's dtype. Drop `dtype` or change the config."
+        )
+    return engine

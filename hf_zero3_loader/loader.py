@@ -1,0 +1,232 @@
+"""`from_pretrained`: a drop-in for `AutoModel*.from_pretrained` that loads straight into ZeRO-3 partitions.
+
+Flow under ZeRO-3:
+1. transformers' own `from_pretrained` runs with the ZeRO-3 weakref hidden, so it resolves the checkpoint,
+   config, dtype and conversion mapping and builds a *meta* skeleton (no allocation, no broadcast);
+2. our `_load_pretrained_model` plans this rank's reads (`planner/`), turns every meta parameter into a
+   ZeRO-3 parameter with a local partition (`zero3.py`) and fills it from the files (`reader.py`);
+3. our `_finalize_model_loading` initialises missing keys in bounded chunks, ties weights, reports.
+Ranks agree on failure at each step (`agreement.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _transformers_private as hf_private
+from .agreement import AgreedFailure, Agreement
+from .checkpoint import check_index, open_checkpoint
+from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
+from .errors import ConfigError
+from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
+from .planner.plan import LoadPlan, build_plan, check_plan_is_exact
+from .reader import FileReader, ReadStats, run_reads
+from .zero3 import Zero3Partitioner
+
+logger = logging.getLogger("hf_zero3_loader")
+
+
+@dataclass
+class LoadReport:
+    """What one rank did; attached to the model as `model.hf_zero3_load_report`."""
+
+    init_context: str
+    reason: str
+    rank: int = 0
+    world_size: int = 1
+    plan: LoadPlan | None = None
+    read: ReadStats = field(default_factory=ReadStats)
+    init: InitStats = field(default_factory=InitStats)
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,
+               "bytes_read": self.read.bytes_read, "seconds": round(self.seconds, 3),
+               "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes}
+        if self.plan is not None:
+            out.update(self.plan.summary())
+        return out
+
+
+def _local_device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+def _ensure_distributed() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+
+
+class _Zero3Load:
+    """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
+
+    def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int):
+        self.setup = setup
+        self.agreement = agreement
+        self.report = report
+        self.budget_bytes = budget_bytes
+        self.read_threads = read_threads
+
+    # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
+    def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        error = None
+        try:
+            info = self._load(model, state_dict, checkpoint_files, load_config)
+        except Exception as e:  # agree before anyone enters a DeepSpeed collective
+            error = e
+        self.agreement.check("read checkpoint", error)
+        return info, None
+
+    def _load(self, model, state_dict, checkpoint_files, load_config):
+        if state_dict is not None:
+            raise ConfigError("hf_zero3_loader reads checkpoints from files; `state_dict=` is not supported")
+        if load_config.hf_quantizer is not None:
+            raise ConfigError("quantized models are not supported under ZeRO-3 by hf_zero3_loader")
+        if not checkpoint_files:
+            raise ConfigError(f"no checkpoint files found for {load_config.pretrained_model_name_or_path}")
+        checkpoint = open_checkpoint(checkpoint_files)
+        if load_config.sharded_metadata is not None and len(checkpoint_files) > 1:
+            index = os.path.join(os.path.dirname(checkpoint_files[0]), "model.safetensors.index.json")
+            if os.path.exists(index):
+                check_index(index, checkpoint)
+        partitioner = Zero3Partitioner(self.setup.config)
+        world = partitioner.world_group(0, 0)
+        plan = build_plan(
+            model, checkpoint, load_config.weight_mapping or [], load_config.dtype, load_config.dtype_plan or {},
+            group_of=lambda name: world, rank=world.rank, world_size=world.size,
+        )
+        check_plan_is_exact(plan)
+        self.report.plan = plan
+
+        jobs = []
+        for name, _ in list(model.named_parameters()):  # the same order on every rank: ds_ids agree
+            tensor_plan = plan.tensors[name]
+            module_name, _, param_name = name.rpartition(".")
+            param = partitioner.allocate(model.get_submodule(module_name), param_name, tensor_plan)
+            if tensor_plan.status == "load":
+                param._is_hf_initialized = True
+                jobs.append((tensor_plan, param.ds_tensor))
+        for name, buf in model.named_buffers():
+            tensor_plan = plan.tensors.get(name)
+            if tensor_plan is None or tensor_plan.status != "load":
+                continue
+            module_name, _, buf_name = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            value = torch.empty(tensor_plan.shape, dtype=tensor_plan.dtype, device=partitioner.local_device)
+            value._is_hf_initialized = True
+            module._buffers[buf_name] = value
+            jobs.append((tensor_plan, value.view(-1)))
+
+        reader = FileReader(self.report.read)
+        try:
+            staged = []
+            read_jobs = []
+            for tensor_plan, dst in jobs:
+                cpu_dst = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
+                if cpu_dst is not dst:
+                    staged.append((cpu_dst, dst))
+                read_jobs.extend((item, checkpoint.entries[item.key].data_start, cpu_dst) for item in tensor_plan.reads)
+            run_reads(read_jobs, reader, threads=self.read_threads)
+            for cpu_dst, dst in staged:
+                dst.copy_(cpu_dst)
+        finally:
+            reader.close()
+        model._weight_conversions = plan.converted_weight_mapping
+        return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
+
+    # -- replaces PreTrainedModel._finalize_model_loading ---------------------------------------------
+    def finalize(self, model, load_config, loading_info):
+        try:
+            model.mark_tied_weights_as_initialized(loading_info)
+            materialize_meta_buffers(model, _local_device())
+            initialize_missing(model, self.budget_bytes, self.report.init)
+            with hf_private.tied_equality(_zero3_tied_params_are_equal):
+                model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
+            model._adjust_missing_and_unexpected_keys(loading_info)
+        finally:
+            hf_private.report_loading(model, load_config, loading_info)
+        return loading_info
+
+
+def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> bool:
+    """Compare two ZeRO-3 params by their partitions: each rank compares its own, all ranks agree."""
+    import torch.distributed as dist
+
+    if not (hasattr(source, "ds_tensor") and hasattr(target, "ds_tensor")):
+        return source.shape == target.shape and torch.equal(source, target)
+    if source.ds_shape != target.ds_shape:
+        return False
+    differs = torch.tensor([0 if torch.equal(source.ds_tensor, target.ds_tensor) else 1], dtype=torch.int32)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=source.ds_process_group)
+    return differs.item() == 0
+
+
+def from_pretrained(
+    model_class,
+    pretrained_model_name_or_path: str | os.PathLike,
+    *model_args,
+    ds_config: dict | str | None = None,
+    missing_init_budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    read_threads: int = 4,
+    agreement_timeout_s: float | None = None,
+    **kwargs: Any,
+):
+    """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
+
+    Under ZeRO-3 every rank reads only its own partitions' bytes; otherwise (plain, ZeRO-1/2) the model is
+    built on meta and loaded straight onto the rank's device by transformers. `ds_config` is the DeepSpeed
+    config (dict or JSON path); when omitted it is found the way transformers and `accelerate launch`
+    expose it. Other keyword arguments are those of `from_pretrained`.
+    """
+    start = time.perf_counter()
+    setup = find_deepspeed_setup(ds_config)
+    if setup is None or setup.stage != 3:
+        reason = "no DeepSpeed config found" if setup is None else f"ZeRO stage {setup.stage} ({setup.found_via})"
+        logger.info("hf_zero3_loader: init context 'meta' (%s): loading onto the local device with transformers", reason)
+        if setup is not None:
+            kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            kwargs.setdefault("device_map", {"": _local_device()})
+        with hf_private.hidden_hf_zero3():
+            model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+        _attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
+        return model
+
+    check_supported(setup)
+    kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+    _ensure_distributed()
+    import torch.distributed as dist
+
+    agreement = Agreement(agreement_timeout_s) if agreement_timeout_s else Agreement()
+    reason = f"ZeRO-3 ({setup.found_via})"
+    report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())
+    logger.info("hf_zero3_loader: init context 'zero3-meta' (%s): each rank reads its own partitions", reason)
+    hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads)
+    error, model = None, None
+    try:
+        with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):
+            model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+    except AgreedFailure:
+        raise
+    except Exception as e:
+        error = e
+    agreement.check("finish load", error)
+    report.seconds = time.perf_counter() - start
+    _attach(model, report)
+    return model
+
+
+def _attach(model, report: LoadReport) -> None:
+    target = model[0] if isinstance(model, tuple) else model
+    target.hf_zero3_load_report = report

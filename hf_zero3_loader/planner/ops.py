@@ -1,0 +1,183 @@
+"""Symbolic versions of transformers' conversion ops (`transformers.core_model_loading`, 5.23).
+
+Each rule takes the same `input_dict` a real op gets (pattern -> list of tensors, or tensor), but holding
+`Sym`s, and returns the same output keys with `Sym`s whose mappers say where every element comes from.
+Key routing reuses the ops' own `get_target_pattern(s)` methods so names always match transformers.
+An op without a rule raises `UnsupportedConversionError`, never a wrong tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import core_model_loading as cml
+
+from ..errors import UnsupportedConversionError
+from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose
+
+
+def _first(value) -> Sym:
+    return value[0] if isinstance(value, list) else value
+
+
+def _merge_modulelist(op, inputs, source_patterns, target_patterns, ctx):
+    out = {}
+    n_inputs = len(inputs)
+    for pattern in list(inputs):
+        syms = inputs[pattern]
+        key = op.get_target_pattern(n_inputs, pattern, target_patterns)
+        if isinstance(syms, Sym):
+            out[key] = syms
+            continue
+        shape = list(syms[0].shape)
+        shape.insert(op.dim, len(syms))
+        out[key] = Sym(tuple(shape), mapper=Concat(op.dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
+    return out
+
+
+def _concatenate(op, inputs, source_patterns, target_patterns, ctx):
+    key = op.get_target_pattern(target_patterns)
+    syms: list[Sym] = []
+    for pattern in source_patterns:
+        if pattern not in inputs:
+            continue
+        value = inputs[pattern]
+        syms.extend(value if isinstance(value, list) else [value])
+    shape = list(syms[0].shape)
+    shape[op.dim] = sum(s.shape[op.dim] for s in syms)
+    pieces = [Piece(s, 0, s.shape[op.dim], s.shape[op.dim]) for s in syms]
+    return {key: Sym(tuple(shape), mapper=Concat(op.dim, tuple(shape), pieces))}
+
+
+def _slices(src: Sym, dim: int, sizes: list[int], targets: list[str]) -> dict[str, Sym]:
+    out, offset = {}, 0
+    for target, size in zip(targets, sizes):
+        shape = list(src.shape)
+        shape[dim] = size
+        out[target] = Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(src, offset, size, src.shape[dim])]))
+        offset += size
+    return out
+
+
+def _chunk(op, inputs, source_patterns, target_patterns, ctx):
+    if len(inputs) > 1:
+        raise ValueError("Undefined Operation encountered")
+    src = _first(next(iter(inputs.values())))
+    targets = op.get_target_patterns(target_patterns, config=ctx["config"])
+    # torch.chunk's own sizes (it may return fewer chunks than asked)
+    sizes = [c.shape[op.dim] for c in torch.chunk(torch.empty(src.shape, device="meta"), len(targets), dim=op.dim)]
+    return _slices(src, op.dim, sizes, targets)
+
+
+def _split(op, inputs, source_patterns, target_patterns, ctx):
+    if len(inputs) > 1:
+        raise ValueError("Undefined Operation encountered")
+    src = _first(next(iter(inputs.values())))
+    layer = ctx["full_layer_name"]
+    # the model's true (logical) shapes: never a ZeRO-3 placeholder
+    sizes = [ctx["shape_of"](layer.replace(target_patterns[0], t))[op.dim] for t in target_patterns]
+    return _slices(src, op.dim, sizes, target_patterns)
+
+
+def _interleave_perm(n: int, inverse: bool):
+    half = n // 2
+    if inverse:  # output b*2 + a <- input a*half + b
+        return lambda j: (j % 2) * half + j // 2
+    return lambda j: (j % half) * 2 + j // half  # output a*half + b <- input b*2 + a
+
+
+def _interleave(op, inputs, source_patterns, target_patterns, ctx):
+    src = _first(next(iter(inputs.values())))
+    n = src.shape[op.dim]
+    return {target_patterns[0]: Sym(src.shape, mapper=Permute(op.dim, src.shape, src, _interleave_perm(n, op.inverse)))}
+
+
+def _transpose(op, inputs, source_patterns, target_patterns, ctx):
+    key = op.get_target_pattern(inputs, source_patterns, target_patterns)
+    src = _first(next(iter(inputs.values())))
+    ndim = len(src.shape)
+    d0, d1 = sorted((op.dim0 % ndim, op.dim1 % ndim))
+    if op.check_dims and tuple(ctx["shape_of"](ctx["full_layer_name"])) == tuple(src.shape):
+        return {key: src}
+    shape = list(src.shape)
+    shape[d0], shape[d1] = shape[d1], shape[d0]
+    return {key: Sym(tuple(shape), mapper=Transpose(d0, d1, tuple(shape), src))}
+
+
+def _rope_perm(dim0: int, n_heads: int, inverse: bool):
+    half = dim0 // n_heads // 2
+    head = 2 * half
+
+    def perm(o: int) -> int:
+        h, r = divmod(o, head)
+        if inverse:  # view (2, half) -> output b*2 + a <- input a*half + b
+            b, a = divmod(r, 2)
+            return h * head + a * half + b
+        a, b = divmod(r, half)  # view (half, 2) -> output a*half + b <- input b*2 + a
+        return h * head + b * 2 + a
+
+    return perm
+
+
+def _permute_for_rope(op, inputs, source_patterns, target_patterns, ctx):
+    out = {}
+    for pattern, value in inputs.items():
+        key = op.get_target_pattern(pattern, source_patterns, target_patterns)
+        if op.permute_layer_names is None or any(name in pattern for name in op.permute_layer_names):
+            src = _first(value)
+            config = ctx["config"]
+            if op.subconfig_key is not None:
+                config = getattr(config, op.subconfig_key, config)
+            n_heads = getattr(config, "num_attention_heads", 1)
+            perm = _rope_perm(src.shape[0], n_heads, op.inverse)
+            out[key] = Sym(src.shape, mapper=Permute(0, src.shape, src, perm))
+        else:
+            out[key] = value
+    return out
+
+
+def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
+    key = cml.Conv3dToLinear._get_target_pattern(inputs, source_patterns, target_patterns)
+    src = _first(next(iter(inputs.values())))
+    if len(src.shape) == 5:
+        return {key: Sym((src.shape[0], src.numel // max(src.shape[0], 1)), mapper=Same(src))}
+    if len(src.shape) != 2:
+        raise ValueError(f"Conv3dToLinear expects a 5D or 2D tensor, got {len(src.shape)}D")
+    return {key: src}
+
+
+RULES = {
+    cml.MergeModulelist: _merge_modulelist,
+    cml.Concatenate: _concatenate,
+    cml.Chunk: _chunk,
+    cml.Split: _split,
+    cml.Interleave: _interleave,
+    cml.Transpose: _transpose,
+    cml.PermuteForRope: _permute_for_rope,
+    cml.Conv3dToLinear: _conv3d_to_linear,
+}
+
+
+def apply_converter(converter: cml.WeightTransform, layer_name: str, ctx: dict[str, Any]) -> dict[str, Sym]:
+    """Symbolic `WeightConverter.convert` / `WeightRenaming.convert`: full target name -> Sym."""
+    collected = {k: list(v) for k, v in converter.collected_tensors.items()}
+    if not isinstance(converter, cml.WeightConverter):
+        return {converter.target_patterns[0]: collected[converter.source_patterns[0]]}
+    value: dict = collected
+    for op in converter.operations:
+        rule = RULES.get(type(op))
+        if rule is None:
+            raise UnsupportedConversionError(
+                f"conversion op {type(op).__name__} (model type {ctx['model_type']!r}, parameter {layer_name}) "
+                "has no shard-on-read rule; supported: " + ", ".join(sorted(c.__name__ for c in RULES))
+            )
+        value = rule(op, value, converter.source_patterns, converter.target_patterns, {**ctx, "full_layer_name": layer_name})
+    # Same prefix/suffix expansion as WeightConverter.convert
+    full_name = layer_name.replace("*.", "0.") if "*." in layer_name else layer_name
+    try:
+        prefix, _, suffix = next(full_name.partition(k) for k in value if k in full_name)
+        value = {prefix + k + suffix: v for k, v in value.items()}
+    except StopIteration:
+        pass
+    return value

@@ -1,0 +1,265 @@
+"""Plan what one rank reads: for every model tensor, which checkpoint bytes make this rank's partition.
+
+`build_plan` mirrors the key grouping of transformers' `convert_and_load_state_dict_in_model` (5.23):
+the same renamings, the same converter per target, the same dtype rules, the same missing / unexpected /
+mismatched classification. Instead of reading tensors, it resolves each parameter's flat partition range
+through the symbolic conversion graph (`ops.py`) to `ReadItem`s. The plan is a plain value: it can be
+built for any rank on any process, inspected and tested without reading a byte of tensor data.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import core_model_loading as cml
+
+from ..checkpoint import Checkpoint
+from ..errors import LoaderError
+from .ops import apply_converter
+from .symbolic import Run, Sym, to_leaf_runs
+
+
+@dataclass(frozen=True)
+class PartitionGroup:
+    """The ranks a parameter is partitioned over, and this rank's place in them.
+
+    Today every parameter uses the world; expert parallelism partitions expert parameters over the
+    expert-data-parallel group instead, which only changes these fields.
+    """
+
+    name: str
+    size: int
+    rank: int
+
+
+WORLD = "world"
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy a box of a checkpoint tensor into the destination, like DCP's ReadItem.
+
+    The box is `rows` runs of `cols` contiguous elements, the first at element `src_offset` of tensor
+    `key` in `file`, the next `row_stride` elements further. They land at element `dst_offset` of the
+    destination, row-major, or column-major if `transposed` (a transpose of the last dimension).
+    """
+
+    file: str
+    key: str
+    src_dtype: torch.dtype
+    src_offset: int
+    rows: int
+    cols: int
+    row_stride: int
+    dst_offset: int
+    transposed: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
+class TensorPlan:
+    """One model parameter or buffer on this rank."""
+
+    name: str
+    kind: str  # "param" | "buffer"
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: PartitionGroup | None  # None for buffers: every rank holds them whole
+    start: int  # this rank's flat range [start, end) of the logical tensor
+    end: int
+    partition_numel: int  # length of the local storage (ZeRO-3 pads the last partition)
+    status: str  # "load" | "missing" | "mismatched"
+    byte_source: str = "file"  # where this rank gets its bytes; "file" = reads them itself
+    reads: list[ReadItem] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def bytes_to_read(self) -> int:
+        return sum(r.numel * r.src_dtype.itemsize for r in self.reads)
+
+
+@dataclass
+class LoadPlan:
+    rank: int
+    world_size: int
+    tensors: dict[str, TensorPlan]
+    missing_keys: set[str]
+    unexpected_keys: set[str]
+    mismatched_keys: set[tuple[str, tuple, tuple]]
+    converted_weight_mapping: list = field(default_factory=list)
+
+    @property
+    def bytes_to_read(self) -> int:
+        return sum(t.bytes_to_read for t in self.tensors.values())
+
+    def summary(self) -> dict:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tensors": len(self.tensors),
+            "bytes_to_read": self.bytes_to_read,
+            "read_items": sum(len(t.reads) for t in self.tensors.values()),
+            "missing": len(self.missing_keys),
+            "unexpected": len(self.unexpected_keys),
+            "mismatched": len(self.mismatched_keys),
+        }
+
+
+def partition_range(numel: int, group: PartitionGroup) -> tuple[int, int, int]:
+    """ZeRO-3's rule: each rank holds ceil(numel / size) elements, rank r the flat range [r*P, (r+1)*P)."""
+    per_rank = math.ceil(numel / group.size) if numel else 0
+    start = min(group.rank * per_rank, numel)
+    return start, min(start + per_rank, numel), per_rank
+
+
+def runs_to_read_items(runs: list[Run], checkpoint: Checkpoint, dst_offset: int = 0) -> list[ReadItem]:
+    """Merge leaf runs into as few boxes as possible, in destination order."""
+    items: list[ReadItem] = []
+    pos = dst_offset
+    for run in runs:
+        entry = checkpoint.entries[run.sym.key]
+        if run.stride == 1:
+            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, 1, run.length, run.length, pos)
+        else:  # strided: `length` rows of one element, or a column of a transposed box
+            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, run.length, 1, run.stride, pos)
+        pos += run.length
+        if items:
+            prev = items[-1]
+            same = prev.key == item.key
+            if same and not prev.transposed and prev.rows == 1 and item.rows == 1 and (
+                prev.src_offset + prev.cols == item.src_offset
+            ):
+                items[-1] = ReadItem(prev.file, prev.key, prev.src_dtype, prev.src_offset, 1, prev.cols + item.cols,
+                                     prev.cols + item.cols, prev.dst_offset)
+                continue
+            # consecutive strided columns of equal height -> one transposed box
+            if same and item.cols == 1 and item.rows > 1 and prev.rows == item.rows and prev.row_stride == item.row_stride:
+                if prev.src_offset + prev.cols == item.src_offset and (prev.transposed or prev.cols == 1):
+                    items[-1] = ReadItem(prev.file, prev.key, prev.src_dtype, prev.src_offset, prev.rows, prev.cols + 1,
+                                         prev.row_stride, prev.dst_offset, transposed=True)
+                    continue
+        items.append(item)
+    return items
+
+
+def _dtype_policy(dtype_plan: dict):
+    if not dtype_plan:
+        return lambda key: None
+    alternation, by_group, _ = cml.build_glob_alternation(list(dtype_plan.keys()))
+
+    def policy(key: str):
+        match = alternation.search(key)
+        return dtype_plan[by_group[match.lastgroup]] if match else None
+
+    return policy
+
+
+def build_plan(
+    model: torch.nn.Module,
+    checkpoint: Checkpoint,
+    weight_mapping: list,
+    dtype: torch.dtype,
+    dtype_plan: dict,
+    group_of: Callable[[str], PartitionGroup],
+    rank: int,
+    world_size: int,
+) -> LoadPlan:
+    """Plan this rank's reads. `model` is the meta skeleton, untied; `group_of(name)` gives a param's group."""
+    meta_state = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    prefix = model.base_model_prefix
+    renamings = [e for e in weight_mapping if isinstance(e, cml.WeightRenaming)]
+    converters = [e for e in weight_mapping if isinstance(e, cml.WeightConverter)]
+    pattern_to_converter = {k: c for c in converters for k in c.source_patterns}
+    policy = _dtype_policy(dtype_plan)
+
+    unexpected: set[str] = set()
+    to_load: dict[str, cml.WeightTransform] = {}
+    target_dtype: dict[str, torch.dtype] = {}
+    for original_key in sorted(checkpoint.entries, key=cml.dot_natural_key):
+        entry = checkpoint.entries[original_key]
+        renamed, source_pattern = cml.rename_source_key(original_key, renamings, converters, prefix, meta_state)
+        if renamed not in meta_state and original_key in meta_state:
+            renamed, source_pattern = cml.rename_source_key(original_key, [], [], prefix, meta_state)
+        if renamed in meta_state:
+            if source_pattern is not None:
+                mapping = to_load.setdefault(renamed, deepcopy(pattern_to_converter[source_pattern]))
+            else:
+                mapping = to_load.setdefault(renamed, cml.WeightRenaming(original_key, renamed))
+                source_pattern = original_key
+            # same rule as transformers: the dtype plan wins, else the model tensor's own dtype
+            planned = policy(renamed)
+            target_dtype[renamed] = planned if planned is not None else meta_state[renamed].dtype
+            mapping.collected_tensors[source_pattern].append(Sym(entry.shape, key=original_key))
+            mapping.layer_targets[renamed].add(original_key)
+        elif source_pattern is not None:
+            converter = pattern_to_converter[source_pattern]
+            for k in converter.target_patterns:
+                unexpected.add(renamed.replace(converter.target_patterns[0], k))
+        else:
+            unexpected.add(renamed)
+
+    ctx = {
+        "config": model.config,
+        "model_type": getattr(model.config, "model_type", type(model).__name__),
+        "shape_of": lambda name: tuple(model.get_parameter(name).shape),
+    }
+    loaded: dict[str, tuple[Sym, torch.dtype]] = {}
+    mismatched: set[tuple[str, tuple, tuple]] = set()
+    for first_name, mapping in to_load.items():
+        for target, sym in apply_converter(mapping, first_name, ctx).items():
+            sym = sym[0] if isinstance(sym, list) else sym
+            if target not in meta_state:
+                unexpected.add(target)
+            elif tuple(sym.shape) != tuple(meta_state[target].shape):
+                mismatched.add((target, torch.Size(sym.shape), meta_state[target].shape))
+            else:
+                loaded[target] = (sym, target_dtype.get(first_name, meta_state[target].dtype))
+
+    tensors: dict[str, TensorPlan] = {}
+    for name, meta in meta_state.items():
+        is_param = name in params
+        group = group_of(name) if is_param else None
+        shape = tuple(meta.shape)
+        numel = math.prod(shape)
+        start, end, per_rank = partition_range(numel, group) if is_param else (0, numel, numel)
+        status = "load" if name in loaded else ("mismatched" if any(m[0] == name for m in mismatched) else "missing")
+        plan = TensorPlan(
+            name=name,
+            kind="param" if is_param else "buffer",
+            shape=shape,
+            dtype=loaded[name][1] if name in loaded else meta.dtype,
+            group=group,
+            start=start,
+            end=end,
+            partition_numel=per_rank,
+            status=status,
+        )
+        if status == "load":
+            plan.reads = runs_to_read_items(to_leaf_runs(loaded[name][0], start, end - start), checkpoint)
+        tensors[name] = plan
+
+    missing = {n for n, t in tensors.items() if t.status == "missing"}
+    used = [c for c in weight_mapping if c.was_used()]
+    return LoadPlan(rank, world_size, tensors, missing, unexpected, mismatched, used)
+
+
+def check_plan_is_exact(plan: LoadPlan) -> None:
+    """Every loaded tensor's reads cover exactly its partition, in order (a cheap invariant, always checked)."""
+    for t in plan.tensors.values():
+        if t.status != "load":
+            continue
+        covered = sum(r.numel for r in t.reads)
+        if covered != t.end - t.start:
+            raise LoaderError(f"internal planning error for {t.name}: {covered} elements for range {t.start}:{t.end}")

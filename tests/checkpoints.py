@@ -1,0 +1,46 @@
+"""Small real checkpoints written by transformers' `save_pretrained` (random weights, real on-disk layouts).
+
+Sizes are chosen so that tensor sizes are divisible by some world sizes (2, 4) and not by others (3).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ("qwen3_moe", "mixtral", "llama_tied", "llama_untied")
+
+
+def make_config(family: str):
+    from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=101, hidden_size=28, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=64)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=14, intermediate_size=44, moe_intermediate_size=22, num_experts=5,
+                              num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=False)
+    if family == "mixtral":
+        return MixtralConfig(**common, intermediate_size=38, num_local_experts=3, num_experts_per_tok=2,
+                             tie_word_embeddings=False)
+    if family in ("llama_tied", "llama_untied"):
+        return LlamaConfig(**common, intermediate_size=37, tie_word_embeddings=family == "llama_tied")
+    raise ValueError(family)
+
+
+def make_checkpoint(path: str, family: str, dtype: torch.dtype = torch.float32, sharded: bool = False,
+                    seed: int = 0, config=None, model_class=None) -> str:
+    """Write a checkpoint for `family` to `path` (once; reused if present) and return `path`."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(seed)
+    config = config or make_config(family)
+    model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+    # save_pretrained drops tied tensors; random-init norms are ones, so perturb everything to catch mix-ups
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")
+    return path

@@ -1,0 +1,118 @@
+"""Runs inside each rank of a real `torchrun` job: loads checkpoints with hf_zero3_loader, gathers, dumps.
+
+Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
+Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional)}.
+Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
+the collectives each rank saw during the load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tests.instrument import CollectiveCounter, LargestAllocation  # noqa: E402
+
+
+def ds_config_for(dtype: str, extra: dict | None = None) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    if dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    config.update(extra or {})
+    return config
+
+
+def gather_state(model) -> dict:
+    import deepspeed
+
+    state = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        with deepspeed.zero.GatheredParameters([p]):
+            state[name] = p.detach().clone().cpu()
+    for name, b in model.named_buffers(remove_duplicate=False):
+        state[name] = b.detach().clone().cpu()
+    return state
+
+
+def train_losses(model, ds_config: dict, steps: int, vocab: int) -> list[float]:
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    engine.train()
+    g = torch.Generator().manual_seed(1234)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (1, 12), generator=g)
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    return losses
+
+
+def run_case(case: dict) -> dict:
+    import transformers
+
+    import hf_zero3_loader
+
+    model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
+    ds_config = case.get("ds_config") or ds_config_for(case["dtype"])
+    kwargs = dict(case.get("kwargs", {}))
+    result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    if "seed" in case:
+        torch.manual_seed(case["seed"])
+    counter, largest = CollectiveCounter(), LargestAllocation()
+    try:
+        with counter, largest:
+            model = hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
+    except Exception as e:
+        result["error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
+                           "message": str(e), "traceback": traceback.format_exc()}
+        return result
+    info = None
+    if isinstance(model, tuple):
+        model, info = model
+        result["loading_info"] = {k: sorted(map(str, v)) for k, v in info.items()}
+    report = model.hf_zero3_load_report
+    result["report"] = report.summary()
+    result["collectives"] = counter.calls
+    result["collective_bytes"] = counter.bytes
+    result["largest_allocation_bytes"] = largest.largest_bytes
+    result["training"] = model.training
+    result["state"] = gather_state(model)
+    result["config"] = model.config.to_dict()
+    if case.get("train_steps"):
+        result["losses"] = train_losses(model, ds_config, case["train_steps"], model.config.vocab_size)
+    return result
+
+
+def main() -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
+    for case in cases:
+        result = run_case(case)
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, {k: v for k, v in result.items() if k != "state"})
+        if dist.get_rank() == 0:
+            torch.save({"rank0": result, "ranks": results}, case["out"])
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
