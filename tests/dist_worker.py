@@ -74,9 +74,18 @@ def run_case(case: dict) -> dict:
     if "seed" in case:
         torch.manual_seed(case["seed"])
     counter, largest = CollectiveCounter(), LargestAllocation()
+    keep_alive = None
     try:
         with counter, largest:
-            model = hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
+            if case.get("upstream"):  # transformers' own ZeRO-3 path, for comparisons
+                from transformers.integrations import HfDeepSpeedConfig
+
+                keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds a weakref)
+                dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else torch.float32
+                model = model_class.from_pretrained(case["path"], dtype=dtype, **kwargs)
+                model.hf_zero3_load_report = hf_zero3_loader.LoadReport("upstream zero.Init", "baseline")
+            else:
+                model = hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
     except Exception as e:
         result["error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
                            "message": str(e), "traceback": traceback.format_exc()}

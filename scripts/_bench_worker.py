@@ -1,0 +1,317 @@
+"""One rank of a benchmark/demo launch: load a checkpoint one way and measure it. Run by torchrun.
+
+    torchrun --nproc_per_node W scripts/_bench_worker.py --variant {ours,upstream,floor} --path CKPT --result R.json
+        [--spans-out S.json]       (ours) write every rank's planned byte ranges, for the floor
+        [--spans-in S.json]        (floor) the ranges to read
+        [--state-out F]            gather all params and buffers, rank 0 writes F.state.json (dtype, shape, sha256 per
+                                   tensor) and with --full-state also F.state.pt (the tensors)
+        [--compare-with F]         rank 0 compares its gathered tensors with F.state.json (and F.state.pt when present)
+
+Every variant runs in a fresh process: imports, `init_distributed` and the model module import happen before
+the baseline, so the measured window is only the load. Per rank it records wall seconds of the load, the peak
+RSS growth over the baseline (a psutil sampling thread every 5 ms, plus ru_maxrss), bytes through
+torch.distributed collectives (tests/instrument.py CollectiveCounter) and /proc/self/io deltas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.instrument import CollectiveCounter  # noqa: E402
+
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+PIECE = 64 << 20
+
+
+class RssSampler:
+    """Peak RSS (total, file-backed+shmem 'shared', anonymous) of this process, sampled every `period` s."""
+
+    def __init__(self, period: float = 0.005):
+        self.proc = psutil.Process()
+        self.period = period
+        self._stop = threading.Event()
+        m = self.proc.memory_info()
+        self.base = {"rss": m.rss, "shared": m.shared, "anon": m.rss - m.shared}
+        self.peak = dict(self.base)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self):
+        m = self.proc.memory_info()
+        for k, v in (("rss", m.rss), ("shared", m.shared), ("anon", m.rss - m.shared)):
+            if v > self.peak[k]:
+                self.peak[k] = v
+
+    def _run(self):
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return False
+
+    def growth(self) -> dict:
+        return {k: self.peak[k] - self.base[k] for k in self.base}
+
+
+def io_counters() -> dict:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+
+
+# -- the three variants ------------------------------------------------------------------------------------
+def load_ours(path: str):
+    from transformers import AutoModelForCausalLM
+
+    import hf_zero3_loader
+
+    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=DS_CONFIG)
+
+
+def load_upstream(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+
+def read_spans(spans: list, threads: int) -> torch.Tensor:
+    """The floor: positional reads of exactly these (file, offset, nbytes) spans into one fresh buffer."""
+    total = sum(n for _, _, n in spans)
+    buf = torch.empty(total, dtype=torch.uint8)
+    view = buf.numpy()
+    fds = {f: os.open(f, os.O_RDONLY) for f in {f for f, _, _ in spans}}
+    pieces, pos = [], 0
+    for f, off, n in spans:
+        for i in range(0, n, PIECE):
+            m = min(PIECE, n - i)
+            pieces.append((fds[f], off + i, pos + i, m))
+        pos += n
+
+    def one(piece):
+        fd, off, dst, n = piece
+        done = 0
+        while done < n:
+            got = os.preadv(fd, [view[dst + done:dst + n]], off + done)
+            if got <= 0:
+                raise OSError(f"short read at {off + done}")
+            done += got
+
+    try:
+        if threads <= 1:
+            for p in pieces:
+                one(p)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, pieces))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return buf
+
+
+def plan_spans(model) -> list:
+    """This rank's reads, from our plan, as (file, absolute byte offset, nbytes) runs."""
+    from hf_zero3_loader.checkpoint import open_checkpoint
+
+    plan = model.hf_zero3_load_report.plan
+    files = sorted({r.file for t in plan.tensors.values() for r in t.reads})
+    entries = open_checkpoint(files).entries
+    spans = []
+    for t in plan.tensors.values():
+        for r in t.reads:
+            size = r.src_dtype.itemsize
+            start = entries[r.key].data_start + r.src_offset * size
+            if r.rows == 1 or r.row_stride == r.cols:
+                spans.append((r.file, start, r.numel * size))
+            else:
+                spans.extend((r.file, start + i * r.row_stride * size, r.cols * size) for i in range(r.rows))
+    return spans
+
+
+# -- gathered state, for equality checks --------------------------------------------------------------------
+def gathered_state(model, keep: bool):
+    """Rank 0: {name: (dtype, shape, sha256)} of every gathered parameter and buffer, and the tensors if `keep`."""
+    import deepspeed
+
+    meta, tensors = {}, {}
+
+    def record(name, t):
+        t = t.detach().contiguous().cpu()
+        raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
+        meta[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+        if keep:
+            tensors[name] = t.clone()
+
+    for name, p in model.named_parameters(remove_duplicate=False):
+        with deepspeed.zero.GatheredParameters([p]):
+            if dist.get_rank() == 0:
+                record(name, p)
+    if dist.get_rank() == 0:
+        for name, b in model.named_buffers(remove_duplicate=False):
+            record(name, b)
+    return meta, tensors
+
+
+def compare(meta: dict, tensors: dict, other: str) -> dict:
+    with open(other + ".state.json") as f:
+        ref = json.load(f)
+    problems = []
+    for name in sorted(set(meta) | set(ref)):
+        if name not in meta or name not in ref:
+            problems.append(f"{name}: only in {'this run' if name in meta else 'reference'}")
+            continue
+        (dt, shape, digest), (rdt, rshape, rdigest) = meta[name], ref[name]
+        if dt != rdt:
+            problems.append(f"{name}: dtype {dt} vs {rdt}")
+        elif shape != rshape:
+            problems.append(f"{name}: shape {shape} vs {rshape}")
+        elif digest != rdigest:
+            problems.append(f"{name}: sha256 differs")
+    full = None
+    if tensors and os.path.exists(other + ".state.pt"):
+        ref_t = torch.load(other + ".state.pt")
+        full = 0
+        for name, t in tensors.items():
+            r = ref_t.get(name)
+            if r is None or r.dtype != t.dtype or r.shape != t.shape or not torch.equal(
+                    r.view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)):
+                if not any(p.startswith(name + ":") for p in problems):
+                    problems.append(f"{name}: tensor bits differ")
+            else:
+                full += 1
+    return {"tensors": len(meta), "reference_tensors": len(ref), "problems": problems, "equal": not problems,
+            "bitwise_tensor_compares": full}
+
+
+# -- main ------------------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", choices=("ours", "upstream", "floor"), required=True)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--spans-out")
+    ap.add_argument("--spans-in")
+    ap.add_argument("--state-out")
+    ap.add_argument("--full-state", action="store_true")
+    ap.add_argument("--compare-with")
+    ap.add_argument("--floor-threads", type=int, default=4)
+    args = ap.parse_args()
+
+    import deepspeed
+    import deepspeed.runtime.zero.partition_parameters  # noqa: F401
+    import transformers
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401  (lazy import kept out of the window)
+
+    import hf_zero3_loader  # noqa: F401
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keep_alive = None
+    if args.variant == "upstream":
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep_alive = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (transformers holds only a weakref)
+    spans = None
+    if args.variant == "floor":
+        with open(args.spans_in) as f:
+            spans = json.load(f)[str(rank)]
+
+    result: dict = {"variant": args.variant, "rank": rank, "world_size": world}
+    dist.barrier()
+    counter = CollectiveCounter()
+    io0 = io_counters()
+    with RssSampler() as rss:
+        start = time.perf_counter()
+        if args.variant == "floor":
+            timings = {}
+            for threads in sorted({1, args.floor_threads}):
+                t0 = time.perf_counter()
+                buf = read_spans(spans, threads)
+                timings[threads] = time.perf_counter() - t0
+                del buf
+            seconds = min(timings.values())
+            result["floor_seconds_by_threads"] = timings
+            model = None
+        else:
+            with counter:
+                model = load_ours(args.path) if args.variant == "ours" else load_upstream(args.path)
+            seconds = time.perf_counter() - start
+    io1 = io_counters()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result.update({
+        "seconds": seconds,
+        "rss_base": rss.base["rss"],
+        "rss_growth": rss.growth()["rss"],
+        "rss_growth_anon": rss.growth()["anon"],
+        "rss_growth_shared": rss.growth()["shared"],
+        "ru_maxrss_growth": maxrss - rss.base["rss"],
+        "collective_bytes": sum(counter.bytes.values()),
+        "collective_bytes_by_op": counter.bytes,
+        "collective_calls": counter.calls,
+        "rchar": io1["rchar"] - io0["rchar"],
+        "read_bytes_disk": io1["read_bytes"] - io0["read_bytes"],
+    })
+    if args.variant == "floor":
+        result["bytes_read"] = sum(n for _, _, n in spans)
+    elif args.variant == "ours":
+        summary = model.hf_zero3_load_report.summary()
+        result["report"] = summary
+        result["bytes_read"] = summary["bytes_read"]
+    dist.barrier()
+
+    if args.spans_out and args.variant == "ours":
+        mine = plan_spans(model)
+        result["plan_span_bytes"] = sum(n for _, _, n in mine)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            with open(args.spans_out, "w") as f:
+                json.dump({str(r): s for r, s in enumerate(every)}, f)
+
+    if model is not None and (args.state_out or args.compare_with):
+        t0 = time.perf_counter()
+        keep = args.full_state or bool(args.compare_with and os.path.exists(args.compare_with + ".state.pt"))
+        meta, tensors = gathered_state(model, keep=keep)
+        if rank == 0:
+            result["gather_seconds"] = time.perf_counter() - t0
+            if args.state_out:
+                with open(args.state_out + ".state.json", "w") as f:
+                    json.dump(meta, f)
+                if args.full_state:
+                    torch.save(tensors, args.state_out + ".state.pt")
+            if args.compare_with:
+                result["comparison"] = compare(meta, tensors, args.compare_with)
+        del tensors
+
+    every = [None] * world
+    dist.all_gather_object(every, result)
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(every, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
