@@ -1,6 +1,6 @@
 """Load Hugging Face checkpoints straight into DeepSpeed ZeRO-3 partitions: every rank reads only its bytes."""
 
-from .errors import CheckpointError, ConfigError, DistributedLoadError, LoaderError, UnsupportedConversionError
+from .errors import CheckpointError, ConfigError, ConversionMismatchError, DistributedLoadError, LoaderError, UnsupportedConversionError
 from .loader import LoadReport, from_pretrained
 
 __version__ = "0.1.0"
@@ -11,6 +11,7 @@ __all__ = [
     "LoaderError",
     "CheckpointError",
     "ConfigError",
+    "ConversionMismatchError",
     "DistributedLoadError",
     "UnsupportedConversionError",
 ]

@@ -101,3 +101,26 @@ def guarded_init_functions():
     from transformers import initialization
 
     return initialization.guard_torch_init_functions()
+
+
+@contextmanager
+def recording_init_functions(record: Callable):
+    """Replace transformers' init functions (and torch's) by `record(tensor)`: no data touched, no RNG drawn."""
+    import torch
+    from transformers import initialization
+
+    extra = ("copy_", "lecun_normal_", "default_flax_embed_init_")
+    names = [n for n in (*initialization.TORCH_INIT_FUNCTIONS, *extra) if hasattr(initialization, n)]
+    saved = {(m, n): getattr(m, n) for m in (initialization, torch.nn.init) for n in names if hasattr(m, n)}
+
+    def recorder(tensor, *args, **kwargs):
+        record(tensor)
+        return tensor
+
+    for module, name in saved:
+        setattr(module, name, recorder)
+    try:
+        yield
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)

@@ -19,3 +19,7 @@ class ConfigError(LoaderError, ValueError):
 
 class DistributedLoadError(LoaderError):
     """Another rank failed; raised on every rank with that rank's error."""
+
+
+class ConversionMismatchError(LoaderError):
+    """Parameters the checkpoint should provide would be randomly initialised: its layout did not convert."""

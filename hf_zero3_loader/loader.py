@@ -23,9 +23,9 @@ from . import _transformers_private as hf_private
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, open_checkpoint
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
-from .errors import ConfigError
+from .errors import ConfigError, ConversionMismatchError
 from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
-from .planner.plan import LoadPlan, build_plan, check_plan_is_exact
+from .planner.plan import LoadPlan, build_plan, check_plan_is_exact, suspicious_missing_keys
 from .reader import FileReader, ReadStats, run_reads
 from .zero3 import Zero3Partitioner
 
@@ -71,7 +71,9 @@ def _ensure_distributed() -> None:
 class _Zero3Load:
     """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
 
-    def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int):
+    def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
+                 allow_suspicious_missing: bool = False):
+        self.allow_suspicious_missing = allow_suspicious_missing
         self.setup = setup
         self.agreement = agreement
         self.report = report
@@ -108,6 +110,15 @@ class _Zero3Load:
         )
         check_plan_is_exact(plan)
         self.report.plan = plan
+        suspicious = suspicious_missing_keys(plan)
+        if suspicious and not self.allow_suspicious_missing:
+            lines = "\n".join(f"  {m} <- unexpected: {', '.join(u[:4])}{' ...' if len(u) > 4 else ''}" for m, u in suspicious)
+            raise ConversionMismatchError(
+                f"{len(suspicious)} parameters the checkpoint seems meant to provide would be randomly initialised, "
+                f"while it holds unexpected keys that look like them (the weight conversion for model type "
+                f"{getattr(model.config, 'model_type', '?')!r} did not match this checkpoint's layout):\n{lines}\n"
+                "Pass `allow_suspicious_missing_keys=True` to load anyway and initialise them randomly."
+            )
 
         jobs = []
         for name, _ in list(model.named_parameters()):  # the same order on every rank: ds_ids agree
@@ -180,6 +191,7 @@ def from_pretrained(
     missing_init_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     read_threads: int = 4,
     agreement_timeout_s: float | None = None,
+    allow_suspicious_missing_keys: bool = False,
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -188,6 +200,15 @@ def from_pretrained(
     built on meta and loaded straight onto the rank's device by transformers. `ds_config` is the DeepSpeed
     config (dict or JSON path); when omitted it is found the way transformers and `accelerate launch`
     expose it. Other keyword arguments are those of `from_pretrained`.
+
+    Args beyond transformers':
+        missing_init_budget_bytes: at most this many bytes (or the largest single missing parameter) are
+            gathered at once to initialise missing weights.
+        read_threads: threads issuing positional reads.
+        agreement_timeout_s: how long ranks wait for each other at an agreement point before failing
+            (default 300 s, env `HF_ZERO3_LOADER_TIMEOUT`).
+        allow_suspicious_missing_keys: load even if parameters come back missing next to unexpected keys
+            that look like them (a broken conversion); they are then randomly initialised.
     """
     start = time.perf_counter()
     setup = find_deepspeed_setup(ds_config)
@@ -212,7 +233,7 @@ def from_pretrained(
     reason = f"ZeRO-3 ({setup.found_via})"
     report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())
     logger.info("hf_zero3_loader: init context 'zero3-meta' (%s): each rank reads its own partitions", reason)
-    hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads)
+    hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads, allow_suspicious_missing_keys)
     error, model = None, None
     try:
         with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):

@@ -45,34 +45,81 @@ def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> No
                 module._buffers[name] = torch.empty_like(buf, device=device)
 
 
+def _init_order(module, owner, params: list) -> list | None:
+    """The order in which `owner._init_weights(module)` initialises `params`; None if it cannot be learned.
+
+    A dry run with recording stand-ins for the init functions, under a forked RNG: nothing is written or drawn.
+    """
+    recorded: list = []
+    wanted = {id(p): p for p in params}
+    try:
+        with torch.random.fork_rng(devices=[]), hf_private.recording_init_functions(recorded.append):
+            owner._init_weights(module)
+    except Exception:
+        return None
+    order, seen = [], set()
+    for t in recorded:
+        if id(t) in wanted and id(t) not in seen:
+            order.append(wanted[id(t)])
+            seen.add(id(t))
+    return order + [p for p in params if id(p) not in seen]
+
+
+def _plan_chunks(model, budget_bytes: int):
+    """Steps of (modules with owner, params to gather, param to init alone or None), in `smart_apply` order."""
+    steps, modules, params, size, seen = [], [], [], 0, set()
+
+    def flush():
+        nonlocal modules, params, size
+        if modules:
+            steps.append((modules, params, None))
+        modules, params, size = [], [], 0
+
+    for module, owner in hf_private.init_module_order(model):
+        if getattr(module, "_is_hf_initialized", False):
+            continue
+        needed = [p for p in module.parameters(recurse=False) if _needs_gather(p) and id(p) not in seen]
+        seen.update(id(p) for p in needed)
+        needed_bytes = sum(_nbytes(p) for p in needed)
+        if needed_bytes > budget_bytes and len(needed) > 1:
+            order = _init_order(module, owner, needed)
+            if order is not None:  # one parameter at a time, in the order the module initialises them
+                flush()
+                for p in order:
+                    steps.append(([(module, owner)], [p], p))
+                module._is_hf_initialized = True
+                continue
+        if params and size + needed_bytes > budget_bytes:
+            flush()
+        modules.append((module, owner))
+        params.extend(needed)
+        size += needed_bytes
+    flush()
+    return steps
+
+
 def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None) -> InitStats:
     import deepspeed
 
     stats = stats or InitStats()
     is_custom_code = model.is_custom_code()
-    chunks: list[tuple[list, list]] = []  # (modules with their owner, params to gather)
-    modules, params, size, seen = [], [], 0, set()
-    for module, owner in hf_private.init_module_order(model):
-        if getattr(module, "_is_hf_initialized", False):
-            continue
-        needed = [p for p in module.parameters(recurse=False) if _needs_gather(p) and id(p) not in seen]
-        needed_bytes = sum(_nbytes(p) for p in needed)
-        if params and size + needed_bytes > budget_bytes:
-            chunks.append((modules, params))
-            modules, params, size = [], [], 0
-        modules.append((module, owner))
-        params.extend(needed)
-        seen.update(id(p) for p in needed)
-        size += needed_bytes
-    if modules:
-        chunks.append((modules, params))
-
     with torch.no_grad(), hf_private.guarded_init_functions():
-        for chunk_modules, chunk_params in chunks:
-            gather = deepspeed.zero.GatheredParameters(chunk_params, modifier_rank=0) if chunk_params else nullcontext()
-            if chunk_params:
-                stats.gathers.append(sum(_nbytes(p) for p in chunk_params))
+        for modules, params, alone in _plan_chunks(model, budget_bytes):
+            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else nullcontext()
+            if params:
+                stats.gathers.append(sum(_nbytes(p) for p in params))
             with gather:
-                for module, owner in chunk_modules:
+                if alone is not None:  # the module's other missing params are skipped by the guarded init
+                    module, owner = modules[0]
+                    others = [p for p in module.parameters(recurse=False) if p is not alone and _needs_gather(p)]
+                    for p in others:
+                        p._is_hf_initialized = True
+                    try:
+                        owner._init_weights(module)
+                    finally:
+                        for p in others:
+                            del p._is_hf_initialized
+                    continue
+                for module, owner in modules:
                     owner._initialize_weights(module, is_custom_code)
     return stats

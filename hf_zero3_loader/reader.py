@@ -75,7 +75,7 @@ def execute_read(reader: FileReader, item: ReadItem, entry_start: int, dst: torc
     """Copy one ReadItem into the flat CPU tensor `dst` (a partition or buffer)."""
     itemsize = item.src_dtype.itemsize
     out = dst[item.dst_offset : item.dst_offset + item.numel]
-    if item.rows == 1 or item.row_stride == item.cols:  # one contiguous span
+    if not item.transposed and (item.rows == 1 or item.row_stride == item.cols):  # one contiguous span
         _read_span(reader, item.file, entry_start + item.src_offset * itemsize, item.src_dtype, out)
         return
     # a box: `rows` runs of `cols` elements, `row_stride` apart

@@ -44,3 +44,52 @@ def make_checkpoint(path: str, family: str, dtype: torch.dtype = torch.float32, 
             p.add_(torch.randn_like(p) * 0.5)
     model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")
     return path
+
+
+def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None = None) -> str:
+    """Copy checkpoint `src` to `dst` with its tensors passed through `transform(dict) -> dict`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    os.makedirs(dst, exist_ok=True)
+    tensors = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, name)))
+        elif name.endswith(".json") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    save_file({k: v.contiguous() for k, v in transform(tensors).items()}, os.path.join(dst, "model.safetensors"),
+              metadata={"format": "pt"})
+    if config_update:
+        with open(os.path.join(dst, "config.json")) as f:
+            config = json.load(f)
+        config.update(config_update)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f)
+    return dst
+
+
+def ernie_moe_config():
+    from transformers import Ernie4_5_MoeConfig
+
+    return Ernie4_5_MoeConfig(vocab_size=101, hidden_size=28, intermediate_size=36, moe_intermediate_size=20,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=14,
+                              moe_num_experts=4, moe_k=2, moe_layer_start_index=1, max_position_embeddings=64,
+                              tie_word_embeddings=False)
+
+
+def qwen3_vl_moe_config():
+    from transformers import Qwen3VLMoeConfig
+
+    return Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=101, hidden_size=28, intermediate_size=36, moe_intermediate_size=20,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=14,
+                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=64,
+                         rope_scaling={"rope_type": "default", "mrope_section": [2, 2, 3]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=28,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]),
+    )

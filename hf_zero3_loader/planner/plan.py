@@ -263,3 +263,23 @@ def check_plan_is_exact(plan: LoadPlan) -> None:
         covered = sum(r.numel for r in t.reads)
         if covered != t.end - t.start:
             raise LoaderError(f"internal planning error for {t.name}: {covered} elements for range {t.start}:{t.end}")
+
+
+def suspicious_missing_keys(plan: LoadPlan) -> list[tuple[str, list[str]]]:
+    """Missing parameters next to unexpected checkpoint keys from the same module: a conversion that broke.
+
+    A missing key and an unexpected key "look alike" when they share every module component but the last two
+    of the missing key (and at least two): `layers.0.mlp.experts.gate_up_proj` missing beside
+    `layers.0.mlp.experts.0.w1.weight` unexpected. A new head (`score.weight` beside `lm_head.weight`) does not.
+    """
+    unexpected = [u.split(".") for u in sorted(plan.unexpected_keys)]
+    found = []
+    for key in sorted(plan.missing_keys):
+        if plan.tensors[key].kind != "param":
+            continue
+        parts = key.split(".")
+        need = max(2, len(parts) - 2)
+        alike = [".".join(u) for u in unexpected if len(u) >= need and u[:need] == parts[:need]]
+        if alike:
+            found.append((key, alike))
+    return found

@@ -1,0 +1,85 @@
+"""Helpers shared by bench_load.py and demo.py: make checkpoints, warm the page cache, launch torchrun, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(SCRIPTS)
+MiB = 1 << 20
+
+
+def make_checkpoint(out: str, size: str) -> dict:
+    """Write (once) the checkpoint in a subprocess, so this process stays small."""
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "_ckpt.py"), "--out", out, "--size", size],
+                          capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout + proc.stderr)
+        raise SystemExit(f"checkpoint generation failed ({size})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_files(path: str) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+def warm_page_cache(path: str) -> int:
+    """Read every checkpoint file once, so every variant starts from the same warm page cache."""
+    total = 0
+    for f in checkpoint_files(path):
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(16 * MiB):
+                total += len(chunk)
+    return total
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, worker_args: list[str], log: str, timeout: float) -> tuple[float, int]:
+    """`torchrun --nproc_per_node world scripts/_bench_worker.py ...`; returns (wall seconds, return code)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           os.path.join(SCRIPTS, "_bench_worker.py"), *worker_args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks; explicit, and silences its warning
+    start = time.perf_counter()
+    with open(log, "w") as fh:
+        fh.write(" ".join(cmd) + "\n")
+        fh.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return time.perf_counter() - start, rc
+
+
+def log_tail(log: str, lines: int = 40) -> str:
+    with open(log) as fh:
+        return "".join(fh.readlines()[-lines:])
+
+
+def read_mib(r: dict) -> float:
+    """Checkpoint bytes this rank pulled in: ours/floor count their own reads; upstream mmaps safetensors files,
+    so its reads are page faults, not read() calls: read() bytes (rchar) + peak growth of file-backed RSS."""
+    if r["variant"] == "upstream":
+        return (r["rchar"] + max(0, r["rss_growth_shared"])) / MiB
+    return r["bytes_read"] / MiB
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| variant | rank | load s | peak RSS growth MiB | collective MiB | read MiB |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        coll = "-" if r["variant"] == "floor" else f"{r['collective_bytes'] / MiB:.1f}"
+        rows.append(f"| {r['variant']} | {r['rank']} | {r['seconds']:.3f} | {r['rss_growth'] / MiB:.1f} | {coll} | "
+                    f"{read_mib(r):.1f} |")
+    return "\n".join(rows)

@@ -1,0 +1,189 @@
+"""Benchmark: hf_zero3_loader vs transformers' own ZeRO-3 loading vs the read floor, on a ~1 GB Qwen3-MoE.
+
+    python scripts/bench_load.py [--workdir ./out/bench] [--world-sizes 2,4] [--json OUT.json]
+
+Generates (once, cached in WORKDIR/ckpt) a random ~500M-parameter bf16 Qwen3-MoE checkpoint with
+`save_pretrained` (6 shards of ~200 MB, 92% of the bytes routed experts). For each world size W it runs three
+separate `torchrun --nproc_per_node W` launches, one per variant, so every variant starts in a fresh process:
+
+  ours      hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=DS)   (no HfDeepSpeedConfig)
+  floor     positional reads (os.preadv into one fresh buffer) of exactly the byte ranges our plan reads on
+            that rank, best of 1 and 4 threads: the cost of merely reading this rank's bytes
+  upstream  HfDeepSpeedConfig(DS) kept alive, then AutoModelForCausalLM.from_pretrained(path, dtype=bf16):
+            built under deepspeed.zero.Init, rank 0 reads the whole checkpoint, gathers/broadcasts per module
+
+DS = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}.
+The page cache cannot be dropped here, so all checkpoint files are read once before every launch: every
+variant runs warm. Per rank: load seconds; peak RSS growth (psutil sampling thread every 5 ms, peak minus the
+RSS just before the load; imports and init_distributed happen before); bytes through collectives during the
+load (tests/instrument.py CollectiveCounter plus DeepSpeed's captured all-gather/reduce-scatter references,
+which that counter cannot see); bytes read (ours: report bytes_read; floor: bytes it read; upstream: read()
+bytes from /proc/self/io rchar + peak growth of file-backed RSS, since safetensors mmaps the files).
+On the first world size (--verify-world-size), rank 0 of the upstream run gathers every parameter and
+buffer and compares dtype, shape and sha256 of the bits with ours (gathered by ours' rank 0 the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _bench_common import MiB, launch, log_tail, make_checkpoint, table, warm_page_cache  # noqa: E402
+
+VARIANTS = ("ours", "floor", "upstream")  # ours first: the floor reads the byte ranges ours planned
+
+
+def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float) -> dict:
+    d = os.path.join(workdir, f"w{world}")
+    os.makedirs(d, exist_ok=True)
+    out: dict = {"world_size": world, "results": [], "launch_seconds": {}}
+    for variant in VARIANTS:
+        result = os.path.join(d, f"{variant}.json")
+        if os.path.exists(result):
+            os.remove(result)
+        args = ["--variant", variant, "--path", ckpt, "--result", result]
+        if variant == "ours":
+            args += ["--spans-out", os.path.join(d, "spans.json")]
+            if verify:
+                args += ["--state-out", os.path.join(d, "ours")]
+        elif variant == "floor":
+            args += ["--spans-in", os.path.join(d, "spans.json")]
+        elif verify:
+            args += ["--compare-with", os.path.join(d, "ours")]
+        warm_page_cache(ckpt)
+        log = os.path.join(d, f"{variant}.log")
+        print(f"  W={world} {variant:8s} ...", end="", flush=True)
+        wall, rc = launch(world, args, log, timeout)
+        print(f" {wall:.1f}s (launch wall, incl. startup{' and gather/verify' if verify and variant != 'floor' else ''})",
+              flush=True)
+        out["launch_seconds"][variant] = wall
+        if rc != 0 or not os.path.exists(result):
+            print(f"  !! {variant} failed (rc={rc}); log {log}:\n{log_tail(log)}", flush=True)
+            out.setdefault("failed", []).append(variant)
+            continue
+        with open(result) as f:
+            out["results"].extend(json.load(f))
+    return out
+
+
+def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
+    by = {v: [r for r in run["results"] if r["variant"] == v] for v in VARIANTS}
+    lines = [f"### world size {world}", "", table(run["results"]), ""]
+    for r in by["upstream"]:
+        if r["rss_growth_shared"] > 64 * MiB:
+            lines.append(f"upstream rank {r['rank']}: {r['rss_growth_shared'] / MiB:.0f} MiB of its RSS growth is "
+                         f"file-backed (mmapped checkpoint pages); anonymous growth {r['rss_growth_anon'] / MiB:.0f} MiB")
+    for r in by["floor"]:
+        lines.append(f"floor rank {r['rank']}: " + ", ".join(
+            f"{t} thread(s) {s:.3f}s" for t, s in sorted(r["floor_seconds_by_threads"].items(), key=lambda x: int(x[0]))))
+    disk = {v: sum(r["read_bytes_disk"] for r in rs) for v, rs in by.items()}
+    lines.append("bytes fetched from the storage device during the loads (/proc/self/io read_bytes, all ranks; "
+                 "~0 means warm): " + ", ".join(f"{v} {b / MiB:.1f} MiB" for v, b in disk.items()))
+    lines.append("")
+
+    def worst(v, key):
+        return max(r[key] for r in by[v]) if by[v] else None
+
+    ratios, targets = {}, {}
+    t_ours, t_up, t_floor = worst("ours", "seconds"), worst("upstream", "seconds"), worst("floor", "seconds")
+    if t_ours and t_up:
+        ratios["upstream/ours time (slowest rank)"] = t_up / t_ours
+        ratios["upstream/ours peak RSS growth (largest rank)"] = worst("upstream", "rss_growth") / worst("ours", "rss_growth")
+        c_ours, c_up = worst("ours", "collective_bytes"), worst("upstream", "collective_bytes")
+        ratios["upstream/ours collective bytes (per rank)"] = (c_up / c_ours) if c_ours else float("inf")
+        ratios["_collective"] = (c_up, c_ours)
+    if t_ours and t_floor:
+        ratios["ours/floor time (slowest rank)"] = t_ours / t_floor
+    lines.append("ratios:")
+    for k, v in ratios.items():
+        if k == "_collective":
+            continue
+        extra = ""
+        if k.startswith("upstream/ours collective"):
+            extra = f"  ({ratios['_collective'][0] / MiB:.1f} MiB vs {ratios['_collective'][1] / MiB:.1f} MiB)"
+        lines.append(f"- {k}: {v:.2f}x{extra}" if v != float("inf") else f"- {k}: inf (ours 0 bytes){extra}")
+    ratios.pop("_collective", None)
+
+    lines.append("")
+    lines.append("targets:")
+    budget = ckpt_bytes / world + 128 * MiB
+    if t_ours and t_up:
+        ok = t_up / t_ours >= 10
+        targets["ours >= 10x faster than upstream"] = ok
+        lines.append(f"- ours >= 10x faster than upstream: {t_up / t_ours:.2f}x -> {'PASS' if ok else 'FAIL'}")
+    if by["ours"]:
+        peak = worst("ours", "rss_growth")
+        ok = all(r["rss_growth"] <= budget for r in by["ours"])
+        targets["ours peak RSS growth per rank <= checkpoint/W + 128 MiB"] = ok
+        lines.append(f"- ours peak RSS growth per rank <= checkpoint/W + 128 MiB = {budget / MiB:.1f} MiB: "
+                     f"max {peak / MiB:.1f} MiB -> {'PASS' if ok else 'FAIL'}")
+    if t_ours and t_floor:
+        ok = t_ours <= 2 * t_floor
+        targets["ours within 2x of floor"] = ok
+        lines.append(f"- ours within 2x of floor: {t_ours:.3f}s vs {t_floor:.3f}s = {t_ours / t_floor:.2f}x -> "
+                     f"{'PASS' if ok else 'FAIL'}")
+    cmp_ = [r["comparison"] for r in by["upstream"] if "comparison" in r]
+    if cmp_:
+        c = cmp_[0]
+        if c["equal"]:
+            lines.append(f"- equality (rank 0, gathered): all {c['tensors']} parameters and buffers of ours and upstream "
+                         f"have equal dtype, shape and sha256 of their bits -> PASS")
+        else:
+            lines.append(f"- equality (rank 0, gathered): {len(c['problems'])} differences -> FAIL: {c['problems'][:10]}")
+        targets["ours == upstream (gathered, bitwise)"] = c["equal"]
+    return "\n".join(lines), {"ratios": ratios, "targets": targets}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", default="./out/bench")
+    ap.add_argument("--world-sizes", default="2,4")
+    ap.add_argument("--json", dest="json_out", help="also write the raw per-rank numbers here")
+    ap.add_argument("--verify-world-size", type=int, default=None,
+                    help="world size whose run also checks ours == upstream (default: the first; 0: none)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun launch")
+    args = ap.parse_args()
+
+    start = time.perf_counter()
+    workdir = os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    ckpt = os.path.join(workdir, "ckpt")
+    worlds = [int(w) for w in args.world_sizes.split(",") if w.strip()]
+    verify_world = worlds[0] if args.verify_world_size is None else args.verify_world_size
+
+    meta = make_checkpoint(ckpt, "bench")
+    ckpt_bytes = meta["bytes_on_disk"]
+    print(f"checkpoint {ckpt}: Qwen3-MoE, {meta['params'] / 1e6:.1f}M params bf16 "
+          f"({meta['expert_params'] / meta['params']:.0%} in experts), {meta['files']} safetensors shards, "
+          f"{ckpt_bytes / MiB:.1f} MiB on disk")
+    warmed = warm_page_cache(ckpt)
+    print(f"page cache: cannot be dropped here, so all runs are WARM: all {warmed / MiB:.1f} MiB of shards are "
+          f"read once before every launch")
+    print(f"machine: {os.cpu_count()} CPU cores; each variant runs in its own torchrun launch (fresh processes)\n")
+
+    report: dict = {"checkpoint": {"path": ckpt, **meta}, "worlds": {}}
+    texts = []
+    for world in worlds:
+        run = run_world(world, ckpt, workdir, verify=world == verify_world, timeout=args.timeout)
+        text, summary = summarize(world, run, ckpt_bytes)
+        run.update(summary)
+        report["worlds"][str(world)] = run
+        texts.append(text)
+        print()
+        print(text, flush=True)
+        print()
+    report["total_seconds"] = time.perf_counter() - start
+    print(f"total wall time {report['total_seconds']:.0f}s")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"raw numbers: {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()

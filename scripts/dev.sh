@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The one entry point for a fresh clone: installs what is missing, then runs the demo or the tests.
+#   bash scripts/dev.sh demo     # a real 2-rank load of a bundled small MoE model, upstream vs ours
+#   bash scripts/dev.sh test     # the test suite (extra arguments go to pytest)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# The CPU build of torch first: an unpinned torch (pulled by deepspeed) would fetch GBs of CUDA packages.
+python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+  || pip install -q torch==2.13.0
+pip show -q hf_zero3_loader >/dev/null 2>&1 || pip install -q -e ".[test]"
+command="${1:-test}"
+shift || true
+case "$command" in
+  demo) exec python scripts/demo.py "$@" ;;
+  test) exec python -m pytest -q "$@" ;;
+  *) echo "usage: bash scripts/dev.sh demo|test" >&2; exit 2 ;;
+esac

@@ -1,0 +1,162 @@
+"""Missing keys in bounded chunks, and loads that behave exactly like the plain load (issue: missing keys).
+
+One real 2-rank torchrun job runs every case; each is compared with plain single-process `from_pretrained`
+(same seed, so missing-key initialisation draws the same RNG stream).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import pytest
+import torch
+
+from tests.checkpoints import (ernie_moe_config, make_checkpoint, qwen3_vl_moe_config, rewrite_checkpoint)
+from tests.conftest import run_torchrun
+
+BUDGET = 2048  # bytes: far below one expert tensor, so chunking is exercised
+
+
+def _drop_layer1_experts(t):
+    return {k: v for k, v in t.items() if not k.startswith("model.layers.1.mlp.experts.")}
+
+
+def _transpose_experts(t):
+    return {k: (v.transpose(1, 2) if ".mlp.experts." in k else v) for k, v in t.items()}
+
+
+def _mixtral_names(t):
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    return {re.sub(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)", lambda m: f"experts.{m[1]}.{names[m[2]]}", k): v
+            for k, v in t.items()}
+
+
+def _untie(t):
+    return {**t, "lm_head.weight": t["lm_head.weight"] + 1.0}
+
+
+@pytest.fixture(scope="module")
+def paths(workdir):
+    from transformers import AutoModelForImageTextToText
+
+    d = lambda name: os.path.join(workdir, name)  # noqa: E731
+    qwen = make_checkpoint(d("qwen3_moe"), "qwen3_moe")
+    llama = make_checkpoint(d("llama_untied"), "llama_untied")
+    return {
+        "qwen": qwen,
+        "llama": llama,
+        "qwen_missing_experts": rewrite_checkpoint(qwen, d("qwen_missing_experts"), _drop_layer1_experts),
+        "llama_tied_but_different": rewrite_checkpoint(llama, d("llama_tied_diff"), _untie,
+                                                       {"tie_word_embeddings": True}),
+        "ernie": make_checkpoint(d("ernie"), "ernie", config=ernie_moe_config()),
+        "qwen3_vl_moe": rewrite_checkpoint(
+            make_checkpoint(d("qwen3_vl_moe_src"), "qvl", config=qwen3_vl_moe_config(),
+                            model_class=AutoModelForImageTextToText),
+            d("qwen3_vl_moe"), _transpose_experts),
+        "qwen_broken": rewrite_checkpoint(qwen, d("qwen_broken"), _mixtral_names),
+    }
+
+
+CASES = {
+    # name: (path key, model class, dtype, kwargs, seed)
+    "seq_cls_head": ("llama", "AutoModelForSequenceClassification", "float32", {"num_labels": 3}, 7),
+    "resized_vocab": ("llama", "AutoModelForCausalLM", "float32", {"vocab_size": 120, "ignore_mismatched_sizes": True}, 8),
+    "mismatch_no_ignore": ("llama", "AutoModelForCausalLM", "float32", {"vocab_size": 120}, 8),
+    "missing_experts": ("qwen_missing_experts", "AutoModelForCausalLM", "float32",
+                        {"missing_init_budget_bytes": BUDGET, "allow_suspicious_missing_keys": True}, 9),
+    "tied_but_different": ("llama_tied_but_different", "AutoModelForCausalLM", "float32", {}, 0),
+    "keep_in_fp32": ("ernie", "AutoModelForCausalLM", "bfloat16", {}, 0),
+    "qwen3_vl_moe_transposed": ("qwen3_vl_moe", "AutoModelForImageTextToText", "float32", {}, 0),
+    "broken_conversion": ("qwen_broken", "AutoModelForCausalLM", "float32", {}, 0),
+    "broken_conversion_opt_out": ("qwen_broken", "AutoModelForCausalLM", "float32",
+                                  {"allow_suspicious_missing_keys": True}, 3),
+}
+PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys"}
+
+
+@pytest.fixture(scope="module")
+def results(paths, workdir):
+    cases = [{"name": name, "path": paths[p], "model_class": cls, "dtype": dtype, "seed": seed,
+              "kwargs": {**kw, "output_loading_info": True}, "out": os.path.join(workdir, f"missing_{name}.pt")}
+             for name, (p, cls, dtype, kw, seed) in CASES.items()]
+    return {c["name"]: d for c, d in zip(cases, run_torchrun(2, cases, workdir))}
+
+
+@functools.lru_cache(maxsize=None)
+def plain(name: str, path: str):
+    import transformers
+
+    _, cls, dtype, kwargs, seed = CASES[name]
+    torch.manual_seed(seed)
+    kwargs = {k: v for k, v in kwargs.items() if k not in PLAIN_ONLY}
+    model, info = getattr(transformers, cls).from_pretrained(path, dtype=getattr(torch, dtype),
+                                                             output_loading_info=True, **kwargs)
+    state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
+    state.update({n: b.detach() for n, b in model.named_buffers(remove_duplicate=False)})
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return state, {k: sorted(map(str, v)) for k, v in info.items()}, tied
+
+
+def assert_equal_to_plain(name, dump, path):
+    got = dump["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    state, info, _ = plain(name, path)
+    assert set(got["state"]) == set(state)
+    for key, expected in state.items():
+        actual = got["state"][key]
+        assert actual.dtype == expected.dtype, f"{name} {key}: {actual.dtype} != {expected.dtype}"
+        assert torch.equal(actual, expected), f"{name} {key}: values differ"
+    assert got["loading_info"] == info, f"{name}: loading info differs from plain"
+
+
+@pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
+                                  "qwen3_vl_moe_transposed", "broken_conversion_opt_out"])
+def test_equal_to_plain_load(results, paths, name):
+    assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
+
+
+def test_missing_experts_initialised_in_bounded_chunks(results, paths):
+    assert_equal_to_plain("missing_experts", results["missing_experts"], paths["qwen_missing_experts"])
+    state, _, _ = plain("missing_experts", paths["qwen_missing_experts"])
+    missing = [k for k in state if k.startswith("model.layers.1.mlp.experts.")]
+    largest_missing = max(state[k].numel() * state[k].element_size() for k in missing)
+    for r in results["missing_experts"]["ranks"]:
+        peak = r["report"]["missing_init_peak_gathered_bytes"]
+        assert 0 < peak <= max(BUDGET, largest_missing), f"rank {r['rank']} gathered {peak} at once"
+        # the whole missing set is bigger than what was gathered at once
+        assert peak < sum(state[k].numel() * state[k].element_size() for k in missing)
+
+
+def test_tied_but_different_lm_head_is_untied(results, paths):
+    _, _, tied = plain("tied_but_different", paths["llama_tied_but_different"])
+    assert tied == set(), "plain load unties a checkpoint whose lm_head differs"
+    got = results["tied_but_different"]["rank0"]["state"]
+    assert not torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+
+
+def test_keep_in_fp32_params_stay_fp32(results):
+    got = results["keep_in_fp32"]["rank0"]["state"]
+    assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert got["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+def _same_error_on_every_rank(dump):
+    errors = [r.get("error") for r in dump["ranks"]]
+    assert all(errors), f"every rank must fail: {errors}"
+    assert len({(e["type"], e["message"]) for e in errors}) == 1, errors
+    return errors[0]
+
+
+def test_mismatched_shape_without_ignore_fails_on_every_rank(results):
+    error = _same_error_on_every_rank(results["mismatch_no_ignore"])
+    assert error["type"] == "RuntimeError" and "ignore_mismatched_sizes" in error["message"]
+
+
+def test_broken_conversion_is_an_error_on_every_rank(results):
+    error = _same_error_on_every_rank(results["broken_conversion"])
+    assert "ConversionMismatchError" in error["mro"]
+    assert "model.layers.0.mlp.experts.gate_up_proj" in error["message"]
+    assert "experts.0.w1.weight" in error["message"]
+    assert "allow_suspicious_missing_keys" in error["message"]
