@@ -72,8 +72,9 @@ class _Zero3Load:
     """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
 
     def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
-                 allow_suspicious_missing: bool = False):
+                 allow_suspicious_missing: bool = False, keep_in_fp32: bool = False):
         self.allow_suspicious_missing = allow_suspicious_missing
+        self.keep_in_fp32 = keep_in_fp32
         self.setup = setup
         self.agreement = agreement
         self.report = report
@@ -109,6 +110,8 @@ class _Zero3Load:
             group_of=lambda name: world, rank=world.rank, world_size=world.size,
         )
         check_plan_is_exact(plan)
+        if isinstance(load_config.dtype, torch.dtype):
+            self._params_in_engine_dtype(plan, load_config.dtype)
         self.report.plan = plan
         suspicious = suspicious_missing_keys(plan)
         if suspicious and not self.allow_suspicious_missing:
@@ -156,6 +159,25 @@ class _Zero3Load:
         model._weight_conversions = plan.converted_weight_mapping
         return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
 
+    def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype) -> None:
+        """DeepSpeed ZeRO-3 (0.19.8) flattens all trainable params into one buffer of one dtype (stage3
+        `defragment` asserts otherwise), as `zero.Init` casts them. Params a plain load keeps in another float
+        dtype (`_keep_in_fp32_modules`, fp32 biases built by the model) are loaded in the engine's dtype."""
+        if self.keep_in_fp32:
+            return
+        changed = [(t.name, t.dtype) for t in plan.tensors.values()
+                   if t.kind == "param" and t.dtype.is_floating_point and t.dtype != engine_dtype]
+        for name, _ in changed:
+            plan.tensors[name].dtype = engine_dtype
+        if changed and self.report.rank == 0:
+            logger.warning(
+                "%d parameters that a plain load keeps in another dtype (e.g. %s: %s, from `_keep_in_fp32_modules` "
+                "or the model) are loaded in %s: DeepSpeed ZeRO-3 holds all trainable parameters in the engine's "
+                "dtype. Pass `keep_in_fp32=True` to keep the plain load's dtypes (then freeze those parameters "
+                "before `deepspeed.initialize`).",
+                len(changed), changed[0][0], changed[0][1], engine_dtype,
+            )
+
     # -- replaces PreTrainedModel._finalize_model_loading ---------------------------------------------
     def finalize(self, model, load_config, loading_info):
         try:
@@ -192,6 +214,7 @@ def from_pretrained(
     read_threads: int = 4,
     agreement_timeout_s: float | None = None,
     allow_suspicious_missing_keys: bool = False,
+    keep_in_fp32: bool = False,
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -209,6 +232,9 @@ def from_pretrained(
             (default 300 s, env `HF_ZERO3_LOADER_TIMEOUT`).
         allow_suspicious_missing_keys: load even if parameters come back missing next to unexpected keys
             that look like them (a broken conversion); they are then randomly initialised.
+        keep_in_fp32: keep `_keep_in_fp32_modules` parameters in fp32 as a plain load does. DeepSpeed ZeRO-3
+            cannot train them in a bf16/fp16 engine (it holds one dtype), so by default they are loaded in
+            the engine's dtype, with a warning naming them.
     """
     start = time.perf_counter()
     setup = find_deepspeed_setup(ds_config)
@@ -233,7 +259,8 @@ def from_pretrained(
     reason = f"ZeRO-3 ({setup.found_via})"
     report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())
     logger.info("hf_zero3_loader: init context 'zero3-meta' (%s): each rank reads its own partitions", reason)
-    hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads, allow_suspicious_missing_keys)
+    hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads,
+                       allow_suspicious_missing_keys, keep_in_fp32)
     error, model = None, None
     try:
         with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):

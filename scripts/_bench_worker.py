@@ -201,20 +201,21 @@ def gathered_state(model, keep: bool):
 
     meta, tensors = {}, {}
 
-    def record(name, t):
+    def record(name, t, kind):
         t = t.detach().contiguous().cpu()
         raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
-        meta[name] = [str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+        meta[name] = {"kind": kind, "dtype": str(t.dtype), "shape": list(t.shape),
+                      "sha256": hashlib.sha256(raw).hexdigest()}
         if keep:
             tensors[name] = t.clone()
 
     for name, p in model.named_parameters(remove_duplicate=False):
         with deepspeed.zero.GatheredParameters([p]):
             if dist.get_rank() == 0:
-                record(name, p)
+                record(name, p, "parameter")
     if dist.get_rank() == 0:
         for name, b in model.named_buffers(remove_duplicate=False):
-            record(name, b)
+            record(name, b, "buffer")
     return meta, tensors
 
 
@@ -226,8 +227,11 @@ def compare(meta: dict, tensors: dict, other: str) -> dict:
         if name not in meta or name not in ref:
             problems.append(f"{name}: only in {'this run' if name in meta else 'reference'}")
             continue
-        (dt, shape, digest), (rdt, rshape, rdigest) = meta[name], ref[name]
-        if dt != rdt:
+        dt, shape, digest = meta[name]["dtype"], meta[name]["shape"], meta[name]["sha256"]
+        rdt, rshape, rdigest = ref[name]["dtype"], ref[name]["shape"], ref[name]["sha256"]
+        if meta[name]["kind"] != ref[name]["kind"]:
+            problems.append(f"{name}: {meta[name]['kind']} here, {ref[name]['kind']} in the reference")
+        elif dt != rdt:
             problems.append(f"{name}: dtype {dt} vs {rdt}")
         elif shape != rshape:
             problems.append(f"{name}: shape {shape} vs {rshape}")
@@ -245,7 +249,9 @@ def compare(meta: dict, tensors: dict, other: str) -> dict:
                     problems.append(f"{name}: tensor bits differ")
             else:
                 full += 1
-    return {"tensors": len(meta), "reference_tensors": len(ref), "problems": problems, "equal": not problems,
+    kinds = [m["kind"] for m in meta.values()]
+    return {"tensors": len(meta), "parameters": kinds.count("parameter"), "buffers": kinds.count("buffer"),
+            "reference_tensors": len(ref), "problems": problems, "equal": not problems,
             "bitwise_tensor_compares": full}
 
 

@@ -67,19 +67,21 @@ CASES = {
     "missing_experts": ("qwen_missing_experts", "AutoModelForCausalLM", "float32",
                         {"missing_init_budget_bytes": BUDGET, "allow_suspicious_missing_keys": True}, 9),
     "tied_but_different": ("llama_tied_but_different", "AutoModelForCausalLM", "float32", {}, 0),
-    "keep_in_fp32": ("ernie", "AutoModelForCausalLM", "bfloat16", {}, 0),
+    "keep_in_fp32": ("ernie", "AutoModelForCausalLM", "bfloat16", {"keep_in_fp32": True}, 0),
+    "keep_in_fp32_default": ("ernie", "AutoModelForCausalLM", "bfloat16", {"experts_implementation": "eager"}, 0),
     "qwen3_vl_moe_transposed": ("qwen3_vl_moe", "AutoModelForImageTextToText", "float32", {}, 0),
     "broken_conversion": ("qwen_broken", "AutoModelForCausalLM", "float32", {}, 0),
     "broken_conversion_opt_out": ("qwen_broken", "AutoModelForCausalLM", "float32",
                                   {"allow_suspicious_missing_keys": True}, 3),
 }
-PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys"}
+PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys", "keep_in_fp32"}
 
 
 @pytest.fixture(scope="module")
 def results(paths, workdir):
     cases = [{"name": name, "path": paths[p], "model_class": cls, "dtype": dtype, "seed": seed,
-              "kwargs": {**kw, "output_loading_info": True}, "out": os.path.join(workdir, f"missing_{name}.pt")}
+              "kwargs": {**kw, "output_loading_info": True}, "out": os.path.join(workdir, f"missing_{name}.pt"),
+              "train_steps": 2 if name == "keep_in_fp32_default" else 0}
              for name, (p, cls, dtype, kw, seed) in CASES.items()]
     return {c["name"]: d for c, d in zip(cases, run_torchrun(2, cases, workdir))}
 
@@ -160,3 +162,16 @@ def test_broken_conversion_is_an_error_on_every_rank(results):
     assert "model.layers.0.mlp.experts.gate_up_proj" in error["message"]
     assert "experts.0.w1.weight" in error["message"]
     assert "allow_suspicious_missing_keys" in error["message"]
+
+
+def test_keep_in_fp32_default_loads_engine_dtype_and_trains(results, paths):
+    """DeepSpeed ZeRO-3 holds one dtype: by default the fp32-kept params come in bf16 (the plain value, cast)."""
+    got = results["keep_in_fp32_default"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    state, _, _ = plain("keep_in_fp32", paths["ernie"])
+    for key, expected in state.items():
+        actual = got["state"][key]
+        is_param = not key.endswith(("inv_freq", "original_inv_freq"))
+        want = expected.to(torch.bfloat16) if is_param and expected.is_floating_point() else expected
+        assert actual.dtype == want.dtype and torch.equal(actual, want), key
+    assert len(got["losses"]) == 2 and all(loss == loss for loss in got["losses"])

@@ -153,7 +153,7 @@ def runs_to_read_items(runs: list[Run], checkpoint: Checkpoint, dst_offset: int 
     return items
 
 
-def _dtype_policy(dtype_plan: dict):
+def dtype_policy(dtype_plan: dict):
     if not dtype_plan:
         return lambda key: None
     alternation, by_group, _ = cml.build_glob_alternation(list(dtype_plan.keys()))
@@ -182,7 +182,7 @@ def build_plan(
     renamings = [e for e in weight_mapping if isinstance(e, cml.WeightRenaming)]
     converters = [e for e in weight_mapping if isinstance(e, cml.WeightConverter)]
     pattern_to_converter = {k: c for c in converters for k in c.source_patterns}
-    policy = _dtype_policy(dtype_plan)
+    policy = dtype_policy(dtype_plan)
 
     unexpected: set[str] = set()
     to_load: dict[str, cml.WeightTransform] = {}
