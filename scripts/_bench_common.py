@@ -68,10 +68,9 @@ def log_tail(log: str, lines: int = 40) -> str:
 
 
 def read_mib(r: dict) -> float:
-    """Checkpoint bytes this rank pulled in: ours/floor count their own reads; upstream mmaps safetensors files,
-    so its reads are page faults, not read() calls: read() bytes (rchar) + peak growth of file-backed RSS."""
-    if r["variant"] == "upstream":
-        return (r["rchar"] + max(0, r["rss_growth_shared"])) / MiB
+    """Checkpoint bytes this rank pulled in. ours: its report's bytes_read; floor: the bytes it read; upstream:
+    read() bytes (/proc/self/io rchar delta) + bytes of the tensors it took from the mmapped shards through
+    safetensors `get_tensor` (mmap page faults are not read() calls, so rchar alone misses them)."""
     return r["bytes_read"] / MiB
 
 

@@ -120,6 +120,48 @@ class DeepSpeedCapturedCollectives:
         return False
 
 
+class SafetensorsBytes:
+    """Bytes of tensors transformers materialises through `safetensors.safe_open(...).get_tensor` (mmap reads,
+    which /proc/self/io rchar does not see), counted by wrapping `transformers.modeling_utils.safe_open`."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.tensors = 0
+
+    def __enter__(self):
+        import transformers.modeling_utils as mu
+
+        self._mu, self._orig = mu, mu.safe_open
+        counter = self
+
+        class Counting:
+            def __init__(self, *args, **kwargs):
+                self._inner = counter._orig(*args, **kwargs)
+
+            def __enter__(self):
+                self._entered = self._inner.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self._inner.__exit__(*exc)
+
+            def get_tensor(self, key):
+                t = (getattr(self, "_entered", None) or self._inner).get_tensor(key)
+                counter.bytes += t.numel() * t.element_size()
+                counter.tensors += 1
+                return t
+
+            def __getattr__(self, name):
+                return getattr(getattr(self, "_entered", None) or self._inner, name)
+
+        mu.safe_open = Counting
+        return self
+
+    def __exit__(self, *exc):
+        self._mu.safe_open = self._orig
+        return False
+
+
 def io_counters() -> dict:
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
@@ -290,7 +332,7 @@ def main() -> None:
 
     result: dict = {"variant": args.variant, "rank": rank, "world_size": world}
     dist.barrier()
-    counter, captured = CollectiveCounter(), DeepSpeedCapturedCollectives()
+    counter, captured, st_bytes = CollectiveCounter(), DeepSpeedCapturedCollectives(), SafetensorsBytes()
     io0 = io_counters()
     with RssSampler() as rss:
         start = time.perf_counter()
@@ -305,7 +347,7 @@ def main() -> None:
             result["floor_seconds_by_threads"] = timings
             model = None
         else:
-            with counter, captured:
+            with counter, captured, st_bytes:
                 model = load_ours(args.path) if args.variant == "ours" else load_upstream(args.path)
             seconds = time.perf_counter() - start
     io1 = io_counters()
@@ -323,10 +365,13 @@ def main() -> None:
         "collective_bytes_by_op": {**counter.bytes, **captured.bytes},
         "collective_calls": {**counter.calls, **captured.calls},
         "rchar": io1["rchar"] - io0["rchar"],
+        "safetensors_get_tensor_bytes": st_bytes.bytes,
         "read_bytes_disk": io1["read_bytes"] - io0["read_bytes"],
     })
     if args.variant == "floor":
         result["bytes_read"] = sum(n for _, _, n in spans)
+    elif args.variant == "upstream":
+        result["bytes_read"] = result["rchar"] + st_bytes.bytes
     elif args.variant == "ours":
         summary = model.hf_zero3_load_report.summary()
         result["report"] = summary

@@ -19,7 +19,9 @@ variant runs warm. Per rank: load seconds; peak RSS growth (psutil sampling thre
 RSS just before the load; imports and init_distributed happen before); bytes through collectives during the
 load (tests/instrument.py CollectiveCounter plus DeepSpeed's captured all-gather/reduce-scatter references,
 which that counter cannot see); bytes read (ours: report bytes_read; floor: bytes it read; upstream: read()
-bytes from /proc/self/io rchar + peak growth of file-backed RSS, since safetensors mmaps the files).
+bytes from /proc/self/io rchar + bytes of the tensors transformers takes from the mmapped shards through
+safetensors get_tensor, counted by wrapping transformers.modeling_utils.safe_open: mmap reads are page faults,
+which rchar does not see; its file-backed RSS growth is in the JSON as rss_growth_shared).
 On the first world size (--verify-world-size), rank 0 of the upstream run gathers every parameter and
 buffer and compares dtype, shape and sha256 of the bits with ours (gathered by ours' rank 0 the same way).
 """

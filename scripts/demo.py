@@ -67,8 +67,8 @@ def main() -> int:
     print()
     print("load s: wall time of from_pretrained on that rank; peak RSS growth: psutil, sampled every 5 ms, over the "
           "RSS just before the load; collective MiB: tensor bytes given to torch.distributed collectives during the "
-          "load (incl. DeepSpeed's all-gathers); read MiB: ours = bytes it read, upstream = read() bytes + file-backed "
-          "RSS growth (safetensors mmaps the shards)")
+          "load (incl. DeepSpeed's all-gathers); read MiB: ours = its report's bytes_read, upstream = read() bytes "
+          "(/proc/self/io rchar) + bytes of tensors taken from the mmapped shards via safetensors get_tensor")
     cmp_ = next(r["comparison"] for r in results if "comparison" in r)
     if not cmp_["equal"] or cmp_["bitwise_tensor_compares"] != cmp_["tensors"]:
         print(f"MISMATCH: {len(cmp_['problems'])} of {cmp_['tensors']} gathered tensors differ between upstream and "

@@ -442,55 +442,42 @@ def test_read_items_reproduce_op_output(case: OpCase, leaf_dir):
                 assert (end - start) * itemsize <= reader.stats.bytes_read <= spans * itemsize, what
 
 
-# Valid inputs transformers converts fine, where the symbolic rules disagree (package bugs, kept as strict xfails).
-NEG_DIM_REASON = (
-    "BUG: dim=-1 is not normalised. Concat.backward uses out_shape[dim + 1:] (the whole shape for dim=-1) and "
-    "_merge_modulelist uses list.insert(-1, n) (before the last dim, torch.stack(dim=-1) appends), so "
-    "MergeModulelist/Concatenate/Chunk/Split(dim=-1) map to the wrong elements (or past the end of a leaf)"
-)
-KNOWN_BAD_CASES = [
+# Valid inputs that once disagreed: negative dims, and PermuteForRope leaving 3-D tensors unchanged.
+EDGE_CASES = [
     pytest.param(OpCase("merge_dim_neg1",
                         W("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj",
                           lambda: [cml.MergeModulelist(dim=-1)]),
                         {"mlp.experts.*.down_proj.weight": [(5, 3)] * E},
                         L0 + "mlp.experts.down_proj", [L0 + "mlp.experts.down_proj"]),
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=NEG_DIM_REASON), id="merge_dim_neg1"),
+                 id="merge_dim_neg1"),
     pytest.param(OpCase("concat_dim_neg1",
                         W(["a_part.weight", "b_part.weight"], "ab.weight", lambda: [cml.Concatenate(dim=-1)]),
                         {"a_part.weight": [(3, 5)], "b_part.weight": [(3, 2)]}, "model.ab.weight", ["model.ab.weight"]),
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=NEG_DIM_REASON), id="concat_dim_neg1"),
+                 id="concat_dim_neg1"),
     pytest.param(OpCase("chunk_dim_neg1",
                         W("w.fused", ["w.a", "w.b"], lambda: [cml.Chunk(dim=-1)]), {"w.fused": [(3, 6)]},
                         "model.w.a", ["model.w.a", "model.w.b"]),
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=NEG_DIM_REASON), id="chunk_dim_neg1"),
+                 id="chunk_dim_neg1"),
     pytest.param(OpCase("split_dim_neg1",
                         W("proj.fused", ["proj.a", "proj.b"], lambda: [cml.Split(dim=-1)]), {"proj.fused": [(3, 10)]},
                         "model.proj.a", ["model.proj.a", "model.proj.b"],
                         model_shapes={"model.proj.a": (3, 6), "model.proj.b": (3, 4)}),
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=NEG_DIM_REASON), id="split_dim_neg1"),
+                 id="split_dim_neg1"),
     pytest.param(OpCase("rope_3d_passthrough",
                         W("q_proj.weight", "q_proj.weight", lambda: [cml.PermuteForRope()]),
                         {"q_proj.weight": [(30, 2, 3)]}, "model.q_proj.weight", ["model.q_proj.weight"],
                         config=plain_config(num_attention_heads=3)),
-                 marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-                     "BUG: transformers' PermuteForRope only permutes 1-D and 2-D tensors and returns others "
-                     "unchanged; _permute_for_rope permutes dim 0 of any tensor")),
                  id="rope_3d_passthrough"),
 ]
 
 
-@pytest.mark.parametrize("case", KNOWN_BAD_CASES)
-def test_symbolic_op_known_disagreements(case: OpCase):
+@pytest.mark.parametrize("case", EDGE_CASES)
+def test_symbolic_op_edge_cases(case: OpCase):
     test_symbolic_op_matches_transformers(case)
 
 
 # Malformed inputs: transformers' op raises (so `from_pretrained` fails with a conversion error); the planner
-# must refuse too, never plan reads. Today the symbolic rules do not check shapes and plan silently.
-MALFORMED_REASON = (
-    "BUG: symbolic rules do not validate input shapes like the real ops; where transformers raises, the planner "
-    "returns a mapping (wrong elements, or for Split with sizes over the source dim, runs past the end of the leaf, "
-    "i.e. reads of the neighbouring tensor's bytes)"
-)
+# must refuse too, never plan reads.
 MALFORMED_CASES = [
     OpCase("interleave_odd_dim", W("w13.weight", "gate_up.weight", lambda: [cml.Interleave(dim=0)]),
            {"w13.weight": [(5, 3)]}, "model.gate_up.weight", []),
@@ -522,7 +509,6 @@ def test_malformed_input_is_rejected_by_transformers(case: OpCase):
         real.convert(case.layer_name, model=FakeModel(case.model_shapes), config=case.config)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=MALFORMED_REASON)
 @pytest.mark.parametrize("case", MALFORMED_CASES, ids=[c.id for c in MALFORMED_CASES])
 def test_malformed_input_refused_by_planner(case: OpCase):
     symbolic = case.make()

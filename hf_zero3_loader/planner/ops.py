@@ -21,6 +21,12 @@ def _first(value) -> Sym:
     return value[0] if isinstance(value, list) else value
 
 
+def _check(ok: bool, message: str) -> None:
+    """Refuse inputs the real op would refuse (or silently mangle): never plan reads for them."""
+    if not ok:
+        raise ValueError(message)
+
+
 def _merge_modulelist(op, inputs, source_patterns, target_patterns, ctx):
     out = {}
     n_inputs = len(inputs)
@@ -30,9 +36,11 @@ def _merge_modulelist(op, inputs, source_patterns, target_patterns, ctx):
         if isinstance(syms, Sym):
             out[key] = syms
             continue
+        _check(all(s.shape == syms[0].shape for s in syms), f"MergeModulelist: unequal shapes {[s.shape for s in syms]}")
+        dim = op.dim % (len(syms[0].shape) + 1)
         shape = list(syms[0].shape)
-        shape.insert(op.dim, len(syms))
-        out[key] = Sym(tuple(shape), mapper=Concat(op.dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
+        shape.insert(dim, len(syms))
+        out[key] = Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
     return out
 
 
@@ -44,13 +52,18 @@ def _concatenate(op, inputs, source_patterns, target_patterns, ctx):
             continue
         value = inputs[pattern]
         syms.extend(value if isinstance(value, list) else [value])
+    dim = op.dim % len(syms[0].shape)
+    others = {tuple(d for i, d in enumerate(s.shape) if i != dim) for s in syms}
+    _check(len(others) == 1 and len({len(s.shape) for s in syms}) == 1,
+           f"Concatenate(dim={op.dim}): shapes differ outside the dim: {[s.shape for s in syms]}")
     shape = list(syms[0].shape)
-    shape[op.dim] = sum(s.shape[op.dim] for s in syms)
-    pieces = [Piece(s, 0, s.shape[op.dim], s.shape[op.dim]) for s in syms]
-    return {key: Sym(tuple(shape), mapper=Concat(op.dim, tuple(shape), pieces))}
+    shape[dim] = sum(s.shape[dim] for s in syms)
+    pieces = [Piece(s, 0, s.shape[dim], s.shape[dim]) for s in syms]
+    return {key: Sym(tuple(shape), mapper=Concat(dim, tuple(shape), pieces))}
 
 
 def _slices(src: Sym, dim: int, sizes: list[int], targets: list[str]) -> dict[str, Sym]:
+    dim = dim % len(src.shape)
     out, offset = {}, 0
     for target, size in zip(targets, sizes):
         shape = list(src.shape)
@@ -77,6 +90,8 @@ def _split(op, inputs, source_patterns, target_patterns, ctx):
     layer = ctx["full_layer_name"]
     # the model's true (logical) shapes: never a ZeRO-3 placeholder
     sizes = [ctx["shape_of"](layer.replace(target_patterns[0], t))[op.dim] for t in target_patterns]
+    _check(sum(sizes) == src.shape[op.dim],
+           f"Split(dim={op.dim}): model sizes {sizes} do not add up to the checkpoint's {src.shape[op.dim]}")
     return _slices(src, op.dim, sizes, target_patterns)
 
 
@@ -89,14 +104,17 @@ def _interleave_perm(n: int, inverse: bool):
 
 def _interleave(op, inputs, source_patterns, target_patterns, ctx):
     src = _first(next(iter(inputs.values())))
-    n = src.shape[op.dim]
-    return {target_patterns[0]: Sym(src.shape, mapper=Permute(op.dim, src.shape, src, _interleave_perm(n, op.inverse)))}
+    dim = op.dim % len(src.shape)
+    n = src.shape[dim]
+    _check(n % 2 == 0, f"Interleave(dim={op.dim}): odd size {n}")
+    return {target_patterns[0]: Sym(src.shape, mapper=Permute(dim, src.shape, src, _interleave_perm(n, op.inverse)))}
 
 
 def _transpose(op, inputs, source_patterns, target_patterns, ctx):
     key = op.get_target_pattern(inputs, source_patterns, target_patterns)
     src = _first(next(iter(inputs.values())))
     ndim = len(src.shape)
+    _check(ndim >= 2, f"Transpose: a {ndim}-D tensor has no dims {op.dim0}, {op.dim1}")
     d0, d1 = sorted((op.dim0 % ndim, op.dim1 % ndim))
     if op.check_dims and tuple(ctx["shape_of"](ctx["full_layer_name"])) == tuple(src.shape):
         return {key: src}
@@ -125,11 +143,17 @@ def _permute_for_rope(op, inputs, source_patterns, target_patterns, ctx):
     for pattern, value in inputs.items():
         key = op.get_target_pattern(pattern, source_patterns, target_patterns)
         if op.permute_layer_names is None or any(name in pattern for name in op.permute_layer_names):
+            _check(not isinstance(value, list) or len(value) == 1, "PermuteForRope expects a single tensor per key.")
             src = _first(value)
+            if len(src.shape) not in (1, 2):  # transformers permutes 1-D and 2-D tensors only
+                out[key] = src
+                continue
             config = ctx["config"]
             if op.subconfig_key is not None:
                 config = getattr(config, op.subconfig_key, config)
             n_heads = getattr(config, "num_attention_heads", 1)
+            _check(src.shape[0] % (2 * n_heads) == 0,
+                   f"PermuteForRope: {src.shape[0]} rows do not split into {n_heads} heads of even size")
             perm = _rope_perm(src.shape[0], n_heads, op.inverse)
             out[key] = Sym(src.shape, mapper=Permute(0, src.shape, src, perm))
         else:
