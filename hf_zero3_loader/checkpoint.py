@@ -44,6 +44,8 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     data_start: int
+    # pickled checkpoints only: the (memory-mapped) tensor, loaded with `weights_only` semantics
+    tensor: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -118,22 +120,55 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
 
 
 def _inside(folder: str, path: str) -> bool:
-    folder = os.path.realpath(folder)
-    return os.path.commonpath([folder, os.path.realpath(path)]) == folder
+    # abspath, not realpath: a hub cache snapshot links to blobs outside it, by design
+    folder = os.path.abspath(folder)
+    return os.path.commonpath([folder, os.path.abspath(path)]) == folder
 
 
-def open_checkpoint(files: list[str]) -> Checkpoint:
-    """Parse the headers of the given safetensors files (all shards of one checkpoint)."""
+def check_files(folder: str | None, files: list[str]) -> None:
+    """Every checkpoint file must exist and lie inside the checkpoint folder (an index can name any path)."""
+    for path in files:
+        if folder is not None and not _inside(folder, path):
+            raise CheckpointError(f"checkpoint file {path} is outside the checkpoint folder {folder}; refusing to read it")
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file not found: {path} (a missing or partly downloaded shard?)")
+
+
+def _open_pickled(path: str, weights_only: bool) -> dict[str, TensorEntry]:
+    """A pickled (.bin) checkpoint: memory-mapped, and only with `weights_only` semantics unless trusted."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint file not found: {path}") from e
+    except Exception as e:
+        hint = (" It may execute code when unpickled; pass `weights_only=False` only if you trust its source."
+                if weights_only else "")
+        raise CheckpointError(f"{path}: cannot load pickled checkpoint with weights_only={weights_only}: {e}.{hint}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: a pickled checkpoint must hold a dict of tensors, found {type(state).__name__}")
+    entries = {}
+    for key, t in state.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype not in SAFETENSORS_DTYPES.values():
+            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {t.dtype}")
+        entries[key] = TensorEntry(key=key, file=path, dtype=t.dtype, shape=tuple(t.shape), data_start=0,
+                                   tensor=t.contiguous())
+    return entries
+
+
+def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
+    """Parse the headers of the given files (all shards of one checkpoint); tensor data is not read."""
     entries: dict[str, TensorEntry] = {}
     header_bytes = 0
     metadata: dict[str, str] = {}
     for path in files:
         if not path.endswith(".safetensors"):
-            raise CheckpointError(
-                f"{path}: only safetensors checkpoints are loaded shard-on-read; pickled checkpoints "
-                "(.bin/.pt) can execute code and have no byte layout to read ranges from. Convert the checkpoint "
-                "with `save_pretrained(..., safe_serialization=True)`."
-            )
+            for key, entry in _open_pickled(path, weights_only).items():
+                if key in entries:
+                    raise CheckpointError(f"tensor {key!r} appears in both {entries[key].file} and {path}")
+                entries[key] = entry
+            continue
         header, data_start = read_safetensors_header(path)
         header_bytes += data_start
         metadata.update(header.get("__metadata__") or {})
@@ -152,14 +187,9 @@ def open_checkpoint(files: list[str]) -> Checkpoint:
     return Checkpoint(files=list(files), entries=entries, header_bytes=header_bytes, metadata=metadata)
 
 
-def check_index(index_file: str, checkpoint: Checkpoint) -> None:
-    """A sharded checkpoint's index must name only files inside its folder, and tensors those files hold."""
-    folder = os.path.dirname(index_file)
-    with open(index_file) as f:
-        weight_map = json.load(f).get("weight_map", {})
+def check_weight_map(weight_map: dict[str, str], checkpoint: Checkpoint) -> None:
+    """A sharded checkpoint's index must name tensors that the named shard really holds."""
     for key, shard in weight_map.items():
-        if not _inside(folder, os.path.join(folder, shard)):
-            raise CheckpointError(f"{index_file}: shard {shard!r} for {key!r} is outside the checkpoint folder")
         entry = checkpoint.entries.get(key)
         if entry is None or os.path.basename(entry.file) != os.path.basename(shard):
-            raise CheckpointError(f"{index_file}: names tensor {key!r} in {shard}, but that file does not hold it")
+            raise CheckpointError(f"the checkpoint index names tensor {key!r} in {shard}, but that file does not hold it")

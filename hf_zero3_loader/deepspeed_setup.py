@@ -22,7 +22,10 @@ class DeepSpeedSetup:
 
     @property
     def stage(self) -> int:
-        return int((self.config.get("zero_optimization") or {}).get("stage", 0) or 0)
+        stage = (self.config.get("zero_optimization") or {}).get("stage", 0) or 0
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r} ({self.found_via})")
+        return stage
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -83,11 +86,18 @@ def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup 
     return DeepSpeedSetup(config, "accelerate launch environment") if config else None
 
 
-def check_supported(setup: DeepSpeedSetup) -> None:
+def check_supported(setup: DeepSpeedSetup, world_size: int) -> None:
     zero = setup.config.get("zero_optimization") or {}
     offload = zero.get("offload_param") or {}
     if str(offload.get("device", "none")).lower() == "nvme":
-        raise ConfigError("NVMe parameter offload (zero_optimization.offload_param.device='nvme') is not supported")
+        raise ConfigError("NVMe parameter offload (zero_optimization.offload_param.device='nvme') is not supported "
+                          "by hf_zero3_loader; use offload_param.device='cpu' or none")
+    ep = setup.config.get("expert_parallel") or {}
+    if ep.get("enabled"):
+        size = ep.get("autoep_size", 1)
+        if not isinstance(size, int) or size < 1 or world_size % size:
+            raise ConfigError(f"expert_parallel.autoep_size={size!r} does not divide the world size {world_size}")
+        raise ConfigError("expert_parallel (AutoEP) together with ZeRO-3 is not supported by hf_zero3_loader yet")
 
 
 def resolve_dtype(setup: DeepSpeedSetup, requested) -> torch.dtype | str:

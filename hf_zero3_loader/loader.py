@@ -21,7 +21,7 @@ import torch
 
 from . import _transformers_private as hf_private
 from .agreement import AgreedFailure, Agreement
-from .checkpoint import check_index, open_checkpoint
+from .checkpoint import check_files, check_weight_map, open_checkpoint
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
 from .errors import ConfigError, ConversionMismatchError
 from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
@@ -98,11 +98,11 @@ class _Zero3Load:
             raise ConfigError("quantized models are not supported under ZeRO-3 by hf_zero3_loader")
         if not checkpoint_files:
             raise ConfigError(f"no checkpoint files found for {load_config.pretrained_model_name_or_path}")
-        checkpoint = open_checkpoint(checkpoint_files)
-        if load_config.sharded_metadata is not None and len(checkpoint_files) > 1:
-            index = os.path.join(os.path.dirname(checkpoint_files[0]), "model.safetensors.index.json")
-            if os.path.exists(index):
-                check_index(index, checkpoint)
+        name = str(load_config.pretrained_model_name_or_path)
+        check_files(name if os.path.isdir(name) else os.path.dirname(checkpoint_files[0]), checkpoint_files)
+        checkpoint = open_checkpoint(checkpoint_files, weights_only=load_config.weights_only)
+        if load_config.sharded_metadata and "weight_map" in load_config.sharded_metadata:
+            check_weight_map(load_config.sharded_metadata["weight_map"], checkpoint)
         partitioner = Zero3Partitioner(self.setup.config)
         world = partitioner.world_group(0, 0)
         plan = build_plan(
@@ -150,7 +150,7 @@ class _Zero3Load:
                 cpu_dst = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
                 if cpu_dst is not dst:
                     staged.append((cpu_dst, dst))
-                read_jobs.extend((item, checkpoint.entries[item.key].data_start, cpu_dst) for item in tensor_plan.reads)
+                read_jobs.extend((item, checkpoint.entries[item.key], cpu_dst) for item in tensor_plan.reads)
             run_reads(read_jobs, reader, threads=self.read_threads)
             for cpu_dst, dst in staged:
                 dst.copy_(cpu_dst)
@@ -250,11 +250,11 @@ def from_pretrained(
         _attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
         return model
 
-    check_supported(setup)
     kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
     _ensure_distributed()
     import torch.distributed as dist
 
+    check_supported(setup, dist.get_world_size())
     agreement = Agreement(agreement_timeout_s) if agreement_timeout_s else Agreement()
     reason = f"ZeRO-3 ({setup.found_via})"
     report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checkpoint import TensorEntry
 from .errors import CheckpointError
 from .planner.plan import ReadItem
 
@@ -71,10 +72,17 @@ class FileReader:
         self._fds.clear()
 
 
-def execute_read(reader: FileReader, item: ReadItem, entry_start: int, dst: torch.Tensor) -> None:
+def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: torch.Tensor) -> None:
     """Copy one ReadItem into the flat CPU tensor `dst` (a partition or buffer)."""
     itemsize = item.src_dtype.itemsize
+    entry_start = entry.data_start
     out = dst[item.dst_offset : item.dst_offset + item.numel]
+    if entry.tensor is not None:  # a pickled checkpoint, memory-mapped
+        box = entry.tensor.reshape(-1).as_strided((item.rows, item.cols), (item.row_stride, 1), item.src_offset)
+        view = out.view(item.cols, item.rows) if item.transposed else out.view(item.rows, item.cols)
+        view.copy_(box.t() if item.transposed else box)
+        reader.stats.add(item.numel * itemsize)
+        return
     if not item.transposed and (item.rows == 1 or item.row_stride == item.cols):  # one contiguous span
         _read_span(reader, item.file, entry_start + item.src_offset * itemsize, item.src_dtype, out)
         return
@@ -119,8 +127,8 @@ def split_for_threads(item: ReadItem) -> list[ReadItem]:
     ]
 
 
-def run_reads(jobs: list[tuple[ReadItem, int, torch.Tensor]], reader: FileReader, threads: int = 4) -> None:
-    """Execute (item, entry data offset, destination) jobs, in parallel threads (preadv releases the GIL)."""
+def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4) -> None:
+    """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL)."""
     pieces = [(p, start, dst) for item, start, dst in jobs for p in split_for_threads(item)]
     if threads <= 1 or len(pieces) <= 1:
         for item, start, dst in pieces:

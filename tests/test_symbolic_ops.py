@@ -433,7 +433,7 @@ def test_read_items_reproduce_op_output(case: OpCase, leaf_dir):
                 reader = FileReader()
                 try:
                     for item in items:
-                        execute_read(reader, item, checkpoint.entries[item.key].data_start, dst)
+                        execute_read(reader, item, checkpoint.entries[item.key], dst)
                 finally:
                     reader.close()
                 what = f"{case.id} {name} W={world_size} rank={rank} [{start}:{end}) via ReadItems"
@@ -755,7 +755,7 @@ def test_plan_reads_exactly_each_ranks_bytes(name, ckpt_root, monkeypatch):
                     dst = torch.zeros(t.partition_numel, dtype=t.dtype)
                     for item in t.reads:
                         item = dataclasses.replace(item, file=to_real[item.file])
-                        execute_read(reader, item, real_checkpoint.entries[item.key].data_start, dst)
+                        execute_read(reader, item, real_checkpoint.entries[item.key], dst)
                     assert not dst[t.end - t.start :].any(), f"{n}: padding written"
                     gathered[n].append(dst[: t.end - t.start])
             finally:
