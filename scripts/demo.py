@@ -2,7 +2,7 @@
 
     python scripts/demo.py [--workdir ./out/demo]
 
-1. writes (once) a random bf16 Qwen3-MoE checkpoint (~29 MB, 2 shards, per-expert tensors on disk that
+1. writes (once) a random bf16 Qwen3-MoE checkpoint (14.6M params, 28 MiB in 4 shards, per-expert tensors on disk that
    transformers fuses into 3-D expert parameters) with `save_pretrained`;
 2. `torchrun --nproc_per_node 2`: hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=DS);
    rank 0 gathers every parameter and buffer and saves them;

@@ -39,3 +39,39 @@ def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: floa
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hfz3"))
+
+
+def run_ranks(world_size: int, cases: list[dict], workdir: str, timeout: float = 240) -> list[dict]:
+    """Start each rank as its own process (the env torchrun would set) and return every rank's dump of the
+    last case; unlike torchrun, one rank dying does not take the others down, so their own errors are seen."""
+    import time
+
+    cases = [{**c, "per_rank_out": True} for c in cases]
+    cases_file = os.path.join(workdir, f"ranks_w{world_size}_{abs(hash(json.dumps(cases)))}.json")
+    with open(cases_file, "w") as f:
+        json.dump(cases, f)
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "dist_worker.py"), cases_file],
+                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    hung = []
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(p.pid)
+            p.kill()
+    assert not hung, f"processes still running after {timeout}s: {hung}"
+    out = []
+    for c in cases:
+        ranks = []
+        for rank in range(world_size):
+            path = f"{c['out']}.rank{rank}"
+            ranks.append(torch.load(path, weights_only=False) if os.path.exists(path) else None)
+        out.append(ranks)
+    return out

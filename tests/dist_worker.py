@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -62,6 +63,40 @@ def train_losses(model, ds_config: dict, steps: int, vocab: int) -> list[float]:
     return losses
 
 
+def inject_fault(case: dict):
+    """Test-side fault injection on one rank: patch a loader internal so that this rank fails or dies.
+    Returns a function that undoes the patch."""
+    fault = case.get("inject")
+    if not fault or fault["rank"] != dist.get_rank():
+        return lambda: None
+    import hf_zero3_loader.reader as reader
+
+    saved_read, saved_open = reader.FileReader.read_into, os.open
+
+    def undo():
+        reader.FileReader.read_into, os.open = saved_read, saved_open
+
+    if fault["kind"] == "raise_in_read":
+        def failing_read(self, path, offset, out):
+            raise OSError(f"injected read failure in {path}")
+        reader.FileReader.read_into = failing_read
+    elif fault["kind"] == "unreadable":  # this rank cannot open the checkpoint files, the others can
+        real_open = os.open
+
+        def denied(path, *args, **kwargs):
+            if str(path).endswith(".safetensors"):
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path, *args, **kwargs)
+        os.open = denied
+    elif fault["kind"] == "die_in_read":
+        def die(*args, **kwargs):
+            os._exit(17)
+        reader.run_reads = die
+        import hf_zero3_loader.loader as loader
+        loader.run_reads = die
+    return undo
+
+
 def run_case(case: dict) -> dict:
     import transformers
 
@@ -73,8 +108,10 @@ def run_case(case: dict) -> dict:
     result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     if "seed" in case:
         torch.manual_seed(case["seed"])
+    undo_fault = inject_fault(case)
     counter, largest = CollectiveCounter(), LargestAllocation()
     keep_alive = None
+    started = time.monotonic()
     try:
         with counter, largest:
             if case.get("upstream"):  # transformers' own ZeRO-3 path, for comparisons
@@ -87,9 +124,12 @@ def run_case(case: dict) -> dict:
             else:
                 model = hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
     except Exception as e:
+        undo_fault()
         result["error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-                           "message": str(e), "traceback": traceback.format_exc()}
+                           "message": str(e), "traceback": traceback.format_exc(),
+                           "seconds": time.monotonic() - started}
         return result
+    undo_fault()
     info = None
     if isinstance(model, tuple):
         model, info = model
@@ -115,6 +155,8 @@ def main() -> None:
         cases = json.load(f)
     for case in cases:
         result = run_case(case)
+        if case.get("per_rank_out"):  # written before any collective: a dead peer cannot stop it
+            torch.save({k: v for k, v in result.items() if k != "state"}, f"{case['out']}.rank{dist.get_rank()}")
         results = [None] * dist.get_world_size()
         dist.all_gather_object(results, {k: v for k, v in result.items() if k != "state"})
         if dist.get_rank() == 0:

@@ -1,0 +1,197 @@
+"""Bad input and faults end as the same clear error on every rank, within a bound, never a hang.
+
+Every rank is its own real process (`run_ranks`), so each rank's own outcome is observed, even when a peer
+dies. Each case records the exception type, message and seconds to fail on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint, rewrite_checkpoint
+from tests.conftest import run_ranks, run_torchrun
+
+BOUND_S = 60
+
+
+class _Evil:
+    """A pickle that runs code when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _copy(src, dst, edit=None):
+    if not os.path.exists(dst):
+        shutil.copytree(src, dst)
+        if edit:
+            edit(dst)
+    return dst
+
+
+def _shards(folder):
+    return sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def _edit_index(folder, edit):
+    path = os.path.join(folder, "model.safetensors.index.json")
+    with open(path) as f:
+        index = json.load(f)
+    edit(index["weight_map"])
+    with open(path, "w") as f:
+        json.dump(index, f)
+
+
+@pytest.fixture(scope="module")
+def bad(workdir):
+    d = lambda name: os.path.join(workdir, "bad", name)  # noqa: E731
+    os.makedirs(d(""), exist_ok=True)
+    single = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    sharded = make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True)
+
+    def truncate(folder):
+        path = os.path.join(folder, "model.safetensors")
+        os.truncate(path, os.path.getsize(path) - 100)
+
+    def corrupt_header(folder):
+        with open(os.path.join(folder, "model.safetensors"), "r+b") as f:
+            f.seek(8)
+            f.write(b"{not json at all")
+
+    def index_moves_key(folder):
+        first, second = _shards(folder)[:2]
+        _edit_index(folder, lambda wm: wm.__setitem__(next(k for k, v in wm.items() if v == first), second))
+
+    def index_escapes(folder):
+        shard = _shards(folder)[0]
+        shutil.copy(os.path.join(folder, shard), os.path.join(os.path.dirname(folder), "outside.safetensors"))
+        _edit_index(folder, lambda wm: wm.update({k: "../outside.safetensors" for k, v in wm.items() if v == shard}))
+        os.remove(os.path.join(folder, shard))
+
+    def pickled(folder, evil=False):
+        from safetensors.torch import load_file
+
+        state = load_file(os.path.join(folder, "model.safetensors"))
+        os.remove(os.path.join(folder, "model.safetensors"))
+        if evil:  # torch.save's own format, so only weights_only stands between it and running code
+            torch.save({**state, "model.norm.weight": _Evil(os.path.join(folder, "PWNED"))},
+                       os.path.join(folder, "pytorch_model.bin"))
+        else:
+            torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+
+    return {
+        "good": single,
+        "missing_shard": _copy(sharded, d("missing_shard"), lambda f: os.remove(os.path.join(f, _shards(f)[1]))),
+        "truncated": _copy(single, d("truncated"), truncate),
+        "corrupt_header": _copy(single, d("corrupt_header"), corrupt_header),
+        "index_names_absent_tensor": _copy(sharded, d("index_moves_key"), index_moves_key),
+        "unsupported_dtype": rewrite_checkpoint(single, d("complex"), lambda t: {
+            **t, "model.norm.weight": t["model.norm.weight"].to(torch.complex64)}),
+        "index_outside_folder": _copy(sharded, d("index_escapes"), index_escapes),
+        "pickle_weights_only": _copy(single, d("pickle_ok"), pickled),
+        "pickle_malicious": _copy(single, d("pickle_evil"), lambda f: pickled(f, evil=True)),
+    }
+
+
+def _stage3(**extra):
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, **extra}
+
+
+# name: (checkpoint, ds_config or None for the default, kwargs, injected fault, expected type, message parts)
+CASES = {
+    "missing_shard": ("missing_shard", None, {}, None, "CheckpointError", ["not found", "model-0000"]),
+    "truncated": ("truncated", None, {}, None, "CheckpointError", ["truncated", "model.safetensors"]),
+    "corrupt_header": ("corrupt_header", None, {}, None, "CheckpointError", ["corrupt", "header"]),
+    "index_names_absent_tensor": ("index_names_absent_tensor", None, {}, None, "CheckpointError",
+                                  ["index names tensor", "does not hold it"]),
+    "unsupported_dtype": ("unsupported_dtype", None, {}, None, "CheckpointError", ["unsupported dtype", "C64"]),
+    "index_outside_folder": ("index_outside_folder", None, {}, None, "CheckpointError",
+                             ["outside the checkpoint folder", "refusing"]),
+    "pickle_malicious": ("pickle_malicious", None, {}, None, "CheckpointError",
+                         ["weights_only=True", "Weights only load failed", "trust"]),
+    "read_fails_on_rank_1": ("good", None, {}, {"rank": 1, "kind": "raise_in_read"}, "OSError",
+                             ["[rank 1]", "injected read failure", "model.safetensors"]),
+    "rank_1_cannot_open": ("good", None, {}, {"rank": 1, "kind": "unreadable"}, "CheckpointError",
+                           ["[rank 1]", "cannot open", "model.safetensors"]),
+    "stage_invalid": ("good", {"zero_optimization": {"stage": 7}}, {}, None, "ConfigError", ["stage", "7"]),
+    "nvme_offload": ("good", _stage3(zero_optimization={"stage": 3, "offload_param": {"device": "nvme"}}), {}, None,
+                     "ConfigError", ["NVMe"]),
+    "ep_size_does_not_divide": ("good", _stage3(expert_parallel={"enabled": True, "autoep_size": 3}), {}, None,
+                                "ConfigError", ["autoep_size=3", "does not divide", "world size 2"]),
+    "dtype_conflicts_with_config": ("good", _stage3(bf16={"enabled": True}), {"dtype": "float16"}, None,
+                                    "ConfigError", ["conflicts", "bfloat16"]),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(bad, workdir):
+    cases = []
+    for name, (ckpt, ds_config, kwargs, inject, _, _) in CASES.items():
+        cases.append({"name": name, "path": bad[ckpt], "dtype": "float32", "ds_config": ds_config, "kwargs": kwargs,
+                      "inject": inject, "out": os.path.join(workdir, f"err_{name}.pt")})
+    cases.append({"name": "pickle_weights_only", "path": bad["pickle_weights_only"], "dtype": "float32",
+                  "out": os.path.join(workdir, "err_pickle_ok.pt")})
+    return {c["name"]: ranks for c, ranks in zip(cases, run_ranks(2, cases, workdir))}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_clear_error_on_every_rank(outcomes, name):
+    *_, expected_type, parts = CASES[name]
+    ranks = outcomes[name]
+    assert all(r is not None for r in ranks), f"{name}: a rank produced no outcome"
+    errors = [r.get("error") for r in ranks]
+    assert all(errors), f"{name}: every rank must fail, got {[r.keys() for r in ranks]}"
+    assert len({(e["type"], e["message"]) for e in errors}) == 1, f"{name}: ranks disagree: {errors}"
+    error = errors[0]
+    assert expected_type in error["mro"], f"{name}: {error['type']}: {error['message']}"
+    for part in parts:
+        assert part in error["message"], f"{name}: {part!r} not in {error['message']!r}"
+    assert max(e["seconds"] for e in errors) < BOUND_S
+
+
+def test_malicious_pickle_never_runs(outcomes, bad):
+    assert not os.path.exists(os.path.join(bad["pickle_malicious"], "PWNED"))
+
+
+def test_pickled_checkpoint_loads_with_weights_only(outcomes, bad):
+    from transformers import AutoModelForCausalLM
+
+    ranks = outcomes["pickle_weights_only"]
+    assert all("error" not in r for r in ranks), ranks[0].get("error", {}).get("traceback")
+    plain = AutoModelForCausalLM.from_pretrained(bad["pickle_weights_only"], dtype=torch.float32)
+    assert sum(r["report"]["bytes_read"] for r in ranks) == sum(
+        p.numel() * p.element_size() for p in plain.state_dict().values())
+
+
+def test_a_rank_that_dies_makes_the_others_fail_within_the_bound(bad, workdir):
+    case = {"name": "dies", "path": bad["good"], "dtype": "float32", "kwargs": {"agreement_timeout_s": 20},
+            "inject": {"rank": 1, "kind": "die_in_read"}, "out": os.path.join(workdir, "err_dies.pt")}
+    (ranks,) = run_ranks(2, [case], workdir, timeout=BOUND_S + 60)
+    assert ranks[1] is None, "rank 1 died before reporting"
+    error = ranks[0]["error"]
+    assert "DistributedLoadError" in error["mro"] and "stopped answering" in error["message"], error
+    assert error["seconds"] < BOUND_S
+
+
+def test_world_larger_than_a_tensor(workdir):
+    """Empty partitions work: a model with 2-element tensors on 4 ranks equals the plain load."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=5, hidden_size=2, intermediate_size=3, num_hidden_layers=1, num_attention_heads=1,
+                         num_key_value_heads=1, max_position_embeddings=8, tie_word_embeddings=False)
+    path = make_checkpoint(os.path.join(workdir, "tiny"), "tiny", config=config)
+    case = {"name": "tiny", "path": path, "dtype": "float32", "out": os.path.join(workdir, "tiny_w4.pt")}
+    (dump,) = run_torchrun(4, [case], workdir)
+    got = dump["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    for name, p in plain.named_parameters():
+        assert torch.equal(got["state"][name], p.detach()), name
