@@ -74,6 +74,7 @@ class _Zero3Load:
     def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
                  allow_suspicious_missing: bool = False, keep_in_fp32: bool = False):
         self.allow_suspicious_missing = allow_suspicious_missing
+        self.reached_load = False
         self.keep_in_fp32 = keep_in_fp32
         self.setup = setup
         self.agreement = agreement
@@ -83,6 +84,7 @@ class _Zero3Load:
 
     # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
     def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        self.reached_load = True  # the meta skeleton was built
         error = None
         try:
             info = self._load(model, state_dict, checkpoint_files, load_config)
@@ -215,6 +217,7 @@ def from_pretrained(
     agreement_timeout_s: float | None = None,
     allow_suspicious_missing_keys: bool = False,
     keep_in_fp32: bool = False,
+    init_context: str = "auto",
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -235,6 +238,8 @@ def from_pretrained(
         keep_in_fp32: keep `_keep_in_fp32_modules` parameters in fp32 as a plain load does. DeepSpeed ZeRO-3
             cannot train them in a bf16/fp16 engine (it holds one dtype), so by default they are loaded in
             the engine's dtype, with a warning naming them.
+        init_context: "auto" (meta skeleton, falling back to `zero.Init` for models that cannot be built on
+            meta), "meta", or "zero.Init" (transformers' own ZeRO-3 path).
     """
     start = time.perf_counter()
     setup = find_deepspeed_setup(ds_config)
@@ -256,6 +261,11 @@ def from_pretrained(
 
     check_supported(setup, dist.get_world_size())
     agreement = Agreement(agreement_timeout_s) if agreement_timeout_s else Agreement()
+    if init_context not in ("auto", "meta", "zero.Init"):
+        raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
+    if init_context == "zero.Init":
+        return _load_with_zero_init(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
+                                    "requested with init_context='zero.Init'", start)
     reason = f"ZeRO-3 ({setup.found_via})"
     report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())
     logger.info("hf_zero3_loader: init context 'zero3-meta' (%s): each rank reads its own partitions", reason)
@@ -269,9 +279,37 @@ def from_pretrained(
         raise
     except Exception as e:
         error = e
-    agreement.check("finish load", error)
+    cannot_build_on_meta = (error is not None and not hooks.reached_load and init_context == "auto"
+                            and "meta" in str(error).lower())
+    agreement.check("finish load", None if cannot_build_on_meta else error)
+    if cannot_build_on_meta:
+        return _load_with_zero_init(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
+                                    f"the model cannot be built on meta ({type(error).__name__}: {error})", start)
     report.seconds = time.perf_counter() - start
     _attach(model, report)
+    return model
+
+
+def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason, start):
+    """The fallback: transformers' own ZeRO-3 path (zero.Init, rank 0 reads, gathers and broadcasts)."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import deepspeed_config, unset_hf_deepspeed_config
+
+    logger.warning("hf_zero3_loader: init context 'zero.Init' (%s): using transformers' ZeRO-3 path", reason)
+    own_config = HfDeepSpeedConfig(setup.config) if deepspeed_config() is None else None
+    error, model = None, None
+    try:
+        model = model_class.from_pretrained(path, *model_args, **kwargs)
+    except Exception as e:
+        error = e
+    finally:
+        if own_config is not None:
+            unset_hf_deepspeed_config()
+    agreement.check("finish load (zero.Init)", error)
+    import torch.distributed as dist
+
+    _attach(model, LoadReport("zero.Init", reason, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                              seconds=time.perf_counter() - start))
     return model
 
 

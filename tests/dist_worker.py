@@ -102,7 +102,14 @@ def run_case(case: dict) -> dict:
 
     import hf_zero3_loader
 
-    model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
+    class_name = case.get("model_class", "AutoModelForCausalLM")
+    if ":" in class_name:  # "module:Class", e.g. tests.custom_models:MetaHostileLlamaForCausalLM
+        import importlib
+
+        module_name, _, attr = class_name.partition(":")
+        model_class = getattr(importlib.import_module(module_name), attr)
+    else:
+        model_class = getattr(transformers, class_name)
     ds_config = case.get("ds_config") or ds_config_for(case["dtype"])
     kwargs = dict(case.get("kwargs", {}))
     result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}

@@ -1,0 +1,105 @@
+"""The init-context decision: ZeRO-3 -> meta skeleton with ZeRO-3 partitions; ZeRO-1/2 -> meta and straight onto
+the device through transformers; a model that cannot be built on meta -> zero.Init (transformers' path)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint, make_config
+from tests.conftest import run_torchrun
+
+
+def _plain_state(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
+                                        *model.named_buffers(remove_duplicate=False)]}
+
+
+@pytest.fixture(scope="module")
+def dumps(workdir):
+    qwen = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    llama = make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied")
+    stage2 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cases = [
+        {"name": "zero2", "path": qwen, "dtype": "float32", "ds_config": stage2, "train_steps": 2,
+         "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, "ctx_zero2.pt")},
+        {"name": "meta_hostile", "path": llama, "dtype": "float32",
+         "model_class": "tests.custom_models:MetaHostileLlamaForCausalLM", "out": os.path.join(workdir, "ctx_hostile.pt")},
+        {"name": "forced_zero_init", "path": qwen, "dtype": "float32", "kwargs": {"init_context": "zero.Init"},
+         "out": os.path.join(workdir, "ctx_forced.pt")},
+    ]
+    return {c["name"]: d for c, d in zip(cases, run_torchrun(2, cases, workdir))}
+
+
+def test_zero2_loads_onto_the_device_with_transformers_and_trains(dumps, workdir):
+    got = dumps["zero2"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    assert got["report"]["init_context"] == "meta" and "stage 2" in got["report"]["reason"]
+    ref = _plain_state(os.path.join(workdir, "qwen3_moe"))
+    for name, expected in ref.items():
+        assert got["state"][name].dtype == expected.dtype and torch.equal(got["state"][name], expected), name
+    assert len(got["losses"]) == 2
+
+
+def test_model_that_cannot_be_built_on_meta_falls_back_to_zero_init(dumps, workdir):
+    from safetensors.torch import load_file
+
+    from tests.custom_models import MetaHostileLlamaForCausalLM
+
+    got = dumps["meta_hostile"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    assert got["report"]["init_context"] == "zero.Init"
+    assert "cannot be built on meta" in got["report"]["reason"]
+    # plain from_pretrained builds on meta too, so the reference is built on CPU and loaded by hand
+    model = MetaHostileLlamaForCausalLM(make_config("llama_untied")).eval()
+    model.load_state_dict(load_file(os.path.join(workdir, "llama_untied", "model.safetensors")))
+    for name, p in model.named_parameters():
+        assert torch.equal(got["state"][name], p.detach()), name
+
+
+def test_init_context_can_be_forced(dumps, workdir):
+    got = dumps["forced_zero_init"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    assert got["report"]["init_context"] == "zero.Init"
+    ref = _plain_state(os.path.join(workdir, "qwen3_moe"))
+    for name, expected in ref.items():
+        assert torch.equal(got["state"][name], expected), name
+
+
+def test_deepspeed_config_is_found_where_transformers_and_accelerate_put_it(tmp_path, monkeypatch):
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from hf_zero3_loader.deepspeed_setup import find_deepspeed_setup
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    assert find_deepspeed_setup(config).found_via == "ds_config argument"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert find_deepspeed_setup(str(path)).stage == 3
+    assert find_deepspeed_setup(None) is None
+
+    keep = HfDeepSpeedConfig(config)  # what the Trainer creates: transformers holds a weakref
+    try:
+        setup = find_deepspeed_setup(None)
+        assert setup.found_via == "transformers HfDeepSpeedConfig" and setup.dtype == torch.bfloat16
+    finally:
+        unset_hf_deepspeed_config()
+        del keep
+
+    # `accelerate launch --use_deepspeed` before Accelerator() exists: only the environment says it
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+    assert find_deepspeed_setup(None).found_via == "accelerate launch environment"
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    setup = find_deepspeed_setup(None)
+    assert setup.stage == 3 and setup.dtype == torch.bfloat16
