@@ -153,7 +153,11 @@ class _Zero3Load:
                 if cpu_dst is not dst:
                     staged.append((cpu_dst, dst))
                 read_jobs.extend((item, checkpoint.entries[item.key], cpu_dst) for item in tensor_plan.reads)
-            run_reads(read_jobs, reader, threads=self.read_threads)
+            from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
+
+            with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
+                      disable=self.report.rank != 0) as bar:
+                run_reads(read_jobs, reader, threads=self.read_threads, progress=bar.update)
             for cpu_dst, dst in staged:
                 dst.copy_(cpu_dst)
         finally:

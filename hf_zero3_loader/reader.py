@@ -127,13 +127,21 @@ def split_for_threads(item: ReadItem) -> list[ReadItem]:
     ]
 
 
-def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4) -> None:
-    """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL)."""
-    pieces = [(p, start, dst) for item, start, dst in jobs for p in split_for_threads(item)]
+def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4,
+              progress=None) -> None:
+    """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL).
+    `progress(nbytes)` is called as pieces complete."""
+    pieces = [(p, entry, dst) for item, entry, dst in jobs for p in split_for_threads(item)]
+
+    def one(item, entry, dst):
+        execute_read(reader, item, entry, dst)
+        if progress is not None:
+            progress(item.numel * item.src_dtype.itemsize)
+
     if threads <= 1 or len(pieces) <= 1:
-        for item, start, dst in pieces:
-            execute_read(reader, item, start, dst)
+        for piece in pieces:
+            one(*piece)
         return
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for f in [pool.submit(execute_read, reader, item, start, dst) for item, start, dst in pieces]:
+        for f in [pool.submit(one, *piece) for piece in pieces]:
             f.result()
