@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +45,21 @@ class LoadReport:
     read: ReadStats = field(default_factory=ReadStats)
     init: InitStats = field(default_factory=InitStats)
     seconds: float = 0.0
+    phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
 
     def summary(self) -> dict:
         out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,
                "bytes_read": self.read.bytes_read, "seconds": round(self.seconds, 3),
-               "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes}
+               "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes,
+               "phases": {k: round(v, 3) for k, v in self.phases.items()}}
         if self.plan is not None:
             out.update(self.plan.summary())
         return out
@@ -85,12 +96,13 @@ class _Zero3Load:
     # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
     def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
         self.reached_load = True  # the meta skeleton was built
-        error = None
+        info, error = None, None
         try:
             info = self._load(model, state_dict, checkpoint_files, load_config)
         except Exception as e:  # agree before anyone enters a DeepSpeed collective
             error = e
-        self.agreement.check("read checkpoint", error)
+        with self.report.phase("agree"):
+            self.agreement.check("read checkpoint", error)
         return info, None
 
     def _load(self, model, state_dict, checkpoint_files, load_config):
@@ -98,6 +110,27 @@ class _Zero3Load:
             raise ConfigError("hf_zero3_loader reads checkpoints from files; `state_dict=` is not supported")
         if load_config.hf_quantizer is not None:
             raise ConfigError("quantized models are not supported under ZeRO-3 by hf_zero3_loader")
+        with self.report.phase("plan"):
+            checkpoint = self._open_checkpoint(checkpoint_files, load_config)
+            partitioner = Zero3Partitioner(self.setup.config)
+            world = partitioner.world_group()
+            plan = build_plan(
+                model, checkpoint, load_config.weight_mapping or [], load_config.dtype, load_config.dtype_plan or {},
+                group_of=lambda name: world, rank=world.rank, world_size=world.size,
+            )
+            check_plan_is_exact(plan)
+            if isinstance(load_config.dtype, torch.dtype):
+                self._params_in_engine_dtype(plan, load_config.dtype)
+            self._refuse_broken_conversion(model, plan)
+            self.report.plan = plan
+        with self.report.phase("allocate"):
+            destinations = self._allocate(model, plan, partitioner)
+        with self.report.phase("read"):
+            self._read(plan, checkpoint, destinations)
+        model._weight_conversions = plan.converted_weight_mapping  # what save_pretrained reverses
+        return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
+
+    def _open_checkpoint(self, checkpoint_files, load_config):
         if not checkpoint_files:
             raise ConfigError(f"no checkpoint files found for {load_config.pretrained_model_name_or_path}")
         name = str(load_config.pretrained_model_name_or_path)
@@ -105,65 +138,61 @@ class _Zero3Load:
         checkpoint = open_checkpoint(checkpoint_files, weights_only=load_config.weights_only)
         if load_config.sharded_metadata and "weight_map" in load_config.sharded_metadata:
             check_weight_map(load_config.sharded_metadata["weight_map"], checkpoint)
-        partitioner = Zero3Partitioner(self.setup.config)
-        world = partitioner.world_group(0, 0)
-        plan = build_plan(
-            model, checkpoint, load_config.weight_mapping or [], load_config.dtype, load_config.dtype_plan or {},
-            group_of=lambda name: world, rank=world.rank, world_size=world.size,
-        )
-        check_plan_is_exact(plan)
-        if isinstance(load_config.dtype, torch.dtype):
-            self._params_in_engine_dtype(plan, load_config.dtype)
-        self.report.plan = plan
-        suspicious = suspicious_missing_keys(plan)
-        if suspicious and not self.allow_suspicious_missing:
-            lines = "\n".join(f"  {m} <- unexpected: {', '.join(u[:4])}{' ...' if len(u) > 4 else ''}" for m, u in suspicious)
-            raise ConversionMismatchError(
-                f"{len(suspicious)} parameters the checkpoint seems meant to provide would be randomly initialised, "
-                f"while it holds unexpected keys that look like them (the weight conversion for model type "
-                f"{getattr(model.config, 'model_type', '?')!r} did not match this checkpoint's layout):\n{lines}\n"
-                "Pass `allow_suspicious_missing_keys=True` to load anyway and initialise them randomly."
-            )
+        return checkpoint
 
-        jobs = []
+    def _refuse_broken_conversion(self, model, plan: LoadPlan) -> None:
+        suspicious = suspicious_missing_keys(plan)
+        if not suspicious or self.allow_suspicious_missing:
+            return
+        lines = "\n".join(f"  {m} <- unexpected: {', '.join(u[:4])}{' ...' if len(u) > 4 else ''}" for m, u in suspicious)
+        raise ConversionMismatchError(
+            f"{len(suspicious)} parameters the checkpoint seems meant to provide would be randomly initialised, "
+            f"while it holds unexpected keys that look like them (the weight conversion for model type "
+            f"{getattr(model.config, 'model_type', '?')!r} did not match this checkpoint's layout):\n{lines}\n"
+            "Pass `allow_suspicious_missing_keys=True` to load anyway and initialise them randomly."
+        )
+
+    def _allocate(self, model, plan: LoadPlan, partitioner: Zero3Partitioner) -> list[tuple]:
+        """ZeRO-3 params with local partitions, and loaded buffers; returns (plan, flat destination) to fill."""
+        destinations = []
         for name, _ in list(model.named_parameters()):  # the same order on every rank: ds_ids agree
             tensor_plan = plan.tensors[name]
             module_name, _, param_name = name.rpartition(".")
             param = partitioner.allocate(model.get_submodule(module_name), param_name, tensor_plan)
             if tensor_plan.status == "load":
                 param._is_hf_initialized = True
-                jobs.append((tensor_plan, param.ds_tensor))
-        for name, buf in model.named_buffers():
+                destinations.append((tensor_plan, param.ds_tensor))
+        for name, _ in list(model.named_buffers()):
             tensor_plan = plan.tensors.get(name)
             if tensor_plan is None or tensor_plan.status != "load":
                 continue
             module_name, _, buf_name = name.rpartition(".")
-            module = model.get_submodule(module_name)
             value = torch.empty(tensor_plan.shape, dtype=tensor_plan.dtype, device=partitioner.local_device)
             value._is_hf_initialized = True
-            module._buffers[buf_name] = value
-            jobs.append((tensor_plan, value.view(-1)))
+            model.get_submodule(module_name)._buffers[buf_name] = value
+            destinations.append((tensor_plan, value.view(-1)))
+        return destinations
 
+    def _read(self, plan: LoadPlan, checkpoint, destinations) -> None:
+        from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
+
+        staged, jobs = [], []
+        for tensor_plan, dst in destinations:
+            # reads land in CPU memory; an accelerator partition is filled from a CPU copy of itself
+            filled = tensor_plan.end - tensor_plan.start  # the padding after it stays zero
+            cpu_dst = dst if dst.device.type == "cpu" else torch.empty(filled, dtype=dst.dtype)
+            if cpu_dst is not dst:
+                staged.append((cpu_dst, dst[:filled]))
+            jobs.extend((item, checkpoint.entries[item.key], cpu_dst) for item in tensor_plan.reads)
         reader = FileReader(self.report.read)
         try:
-            staged = []
-            read_jobs = []
-            for tensor_plan, dst in jobs:
-                cpu_dst = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=dst.dtype)
-                if cpu_dst is not dst:
-                    staged.append((cpu_dst, dst))
-                read_jobs.extend((item, checkpoint.entries[item.key], cpu_dst) for item in tensor_plan.reads)
-            from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
-
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
                       disable=self.report.rank != 0) as bar:
-                run_reads(read_jobs, reader, threads=self.read_threads, progress=bar.update)
-            for cpu_dst, dst in staged:
-                dst.copy_(cpu_dst)
+                run_reads(jobs, reader, threads=self.read_threads, progress=bar.update)
         finally:
             reader.close()
-        model._weight_conversions = plan.converted_weight_mapping
-        return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
+        for cpu_dst, dst in staged:
+            dst.copy_(cpu_dst)
 
     def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype) -> None:
         """DeepSpeed ZeRO-3 (0.19.8) flattens all trainable params into one buffer of one dtype (stage3
@@ -186,6 +215,10 @@ class _Zero3Load:
 
     # -- replaces PreTrainedModel._finalize_model_loading ---------------------------------------------
     def finalize(self, model, load_config, loading_info):
+        with self.report.phase("finalize"):
+            return self._finalize(model, load_config, loading_info)
+
+    def _finalize(self, model, load_config, loading_info):
         try:
             model.mark_tied_weights_as_initialized(loading_info)
             materialize_meta_buffers(model, _local_device())

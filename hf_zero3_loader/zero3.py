@@ -33,7 +33,8 @@ class Zero3Partitioner:
     def group(self):
         return self._init.ds_process_group
 
-    def world_group(self, world_size: int, rank: int) -> PartitionGroup:
+    def world_group(self) -> PartitionGroup:
+        """The group `zero.Init` would partition over (the world, or the config's data-parallel group)."""
         import deepspeed.comm as dist
 
         return PartitionGroup("world", dist.get_world_size(group=self.group), dist.get_rank(group=self.group))
@@ -50,8 +51,11 @@ class Zero3Partitioner:
         param.__dict__.update(meta.__dict__)
         self._init._convert_to_deepspeed_param(param)  # ds_shape/ds_numel, ds_id, closures; no collective
         device = self.local_device if param.ds_persist else self.remote_device
-        # zeros: the padding of the last partition must not be garbage
-        partition = torch.zeros(plan.partition_numel, dtype=plan.dtype, device=device)
+        if plan.status == "load":  # the reads fill [0, end - start); only the padding must be zeroed
+            partition = torch.empty(plan.partition_numel, dtype=plan.dtype, device=device)
+            partition[plan.end - plan.start :].zero_()
+        else:  # missing: initialised later (or left zero, never garbage)
+            partition = torch.zeros(plan.partition_numel, dtype=plan.dtype, device=device)
         partition.requires_grad = False
         partition.ds_numel = plan.partition_numel
         partition.status = PartitionedParamStatus.AVAILABLE

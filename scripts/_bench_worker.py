@@ -77,49 +77,6 @@ class RssSampler:
         return {k: self.peak[k] - self.base[k] for k in self.base}
 
 
-class DeepSpeedCapturedCollectives:
-    """Counts the collectives DeepSpeed issues through function references it captured at `init_distributed`.
-
-    deepspeed.comm's TorchBackend stores `torch.distributed.all_gather_into_tensor` and
-    `reduce_scatter_tensor` in `cdb.all_gather_function` / `cdb.reduce_scatter_function` when it is created,
-    so a patch of `torch.distributed.*` made later (tests/instrument.py CollectiveCounter) never sees the
-    all-gathers of `GatheredParameters` / `zero.Init`. This wraps those captured references too.
-    """
-
-    ATTRS = ("all_gather_function", "reduce_scatter_function")
-
-    def __init__(self):
-        self.calls: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self):
-        from deepspeed.comm import comm as ds_comm
-
-        from tests.instrument import _tensor_bytes
-
-        self._cdb = ds_comm.cdb
-        for attr in self.ATTRS:
-            fn = getattr(self._cdb, attr, None)
-            if fn is None:
-                continue
-            self._saved[attr] = fn
-            name = "deepspeed." + attr
-
-            def wrapper(*args, __name=name, __fn=fn, **kwargs):
-                self.calls[__name] = self.calls.get(__name, 0) + 1
-                self.bytes[__name] = self.bytes.get(__name, 0) + _tensor_bytes(args, kwargs)
-                return __fn(*args, **kwargs)
-
-            setattr(self._cdb, attr, wrapper)
-        return self
-
-    def __exit__(self, *exc):
-        for attr, fn in self._saved.items():
-            setattr(self._cdb, attr, fn)
-        return False
-
-
 class SafetensorsBytes:
     """Bytes of tensors transformers materialises through `safetensors.safe_open(...).get_tensor` (mmap reads,
     which /proc/self/io rchar does not see), counted by wrapping `transformers.modeling_utils.safe_open`."""
@@ -332,7 +289,7 @@ def main() -> None:
 
     result: dict = {"variant": args.variant, "rank": rank, "world_size": world}
     dist.barrier()
-    counter, captured, st_bytes = CollectiveCounter(), DeepSpeedCapturedCollectives(), SafetensorsBytes()
+    counter, st_bytes = CollectiveCounter(), SafetensorsBytes()
     io0 = io_counters()
     with RssSampler() as rss:
         start = time.perf_counter()
@@ -347,7 +304,7 @@ def main() -> None:
             result["floor_seconds_by_threads"] = timings
             model = None
         else:
-            with counter, captured, st_bytes:
+            with counter, st_bytes:
                 model = load_ours(args.path) if args.variant == "ours" else load_upstream(args.path)
             seconds = time.perf_counter() - start
     io1 = io_counters()
@@ -359,11 +316,10 @@ def main() -> None:
         "rss_growth_anon": rss.growth()["anon"],
         "rss_growth_shared": rss.growth()["shared"],
         "ru_maxrss_growth": maxrss - rss.base["rss"],
-        # CollectiveCounter (torch.distributed.* as patched by tests/instrument.py) + DeepSpeed's captured refs
-        "collective_bytes": sum(counter.bytes.values()) + sum(captured.bytes.values()),
-        "collective_bytes_instrument": sum(counter.bytes.values()),
-        "collective_bytes_by_op": {**counter.bytes, **captured.bytes},
-        "collective_calls": {**counter.calls, **captured.calls},
+        # torch.distributed.* and DeepSpeed's captured all-gather/reduce-scatter references
+        "collective_bytes": sum(counter.bytes.values()),
+        "collective_bytes_by_op": counter.bytes,
+        "collective_calls": counter.calls,
         "rchar": io1["rchar"] - io0["rchar"],
         "safetensors_get_tensor_bytes": st_bytes.bytes,
         "read_bytes_disk": io1["read_bytes"] - io0["read_bytes"],

@@ -149,6 +149,8 @@ def run_case(case: dict) -> dict:
     result["training"] = model.training
     result["state"] = gather_state(model)
     result["config"] = model.config.to_dict()
+    if model.can_generate():
+        result["generation_config"] = model.generation_config.to_dict()
     if case.get("train_steps"):
         result["losses"] = train_losses(model, ds_config, case["train_steps"], model.config.vocab_size)
     return result

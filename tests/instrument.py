@@ -27,32 +27,49 @@ def _tensor_bytes(args, kwargs) -> int:
     return total
 
 
+# deepspeed.comm's TorchBackend captures these torch.distributed functions when it is created
+# (`cdb.all_gather_function`, ...), so patching torch.distributed later does not see GatheredParameters' traffic.
+DEEPSPEED_CAPTURED = ("all_gather_function", "reduce_scatter_function")
+
+
 class CollectiveCounter:
-    """Counts torch.distributed collective calls and the tensor bytes they were given, while active."""
+    """Counts collective calls and the tensor bytes they were given, while active: torch.distributed's functions
+    and the references DeepSpeed's comm backend captured from it."""
 
     def __init__(self):
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
-        self._saved: dict[str, object] = {}
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner, attr: str, label: str) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            return
+        self._saved.append((owner, attr, fn))
+
+        def wrapper(*args, **kwargs):
+            self.calls[label] = self.calls.get(label, 0) + 1
+            self.bytes[label] = self.bytes.get(label, 0) + _tensor_bytes(args, kwargs)
+            return fn(*args, **kwargs)
+
+        setattr(owner, attr, wrapper)
 
     def __enter__(self):
         for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
-
-            def wrapper(*args, __name=name, __fn=fn, **kwargs):
-                self.calls[__name] = self.calls.get(__name, 0) + 1
-                self.bytes[__name] = self.bytes.get(__name, 0) + _tensor_bytes(args, kwargs)
-                return __fn(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
+            self._wrap(dist, name, name)
+        try:
+            from deepspeed.comm import comm as ds_comm
+        except ImportError:
+            ds_comm = None
+        if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
+            for attr in DEEPSPEED_CAPTURED:
+                self._wrap(ds_comm.cdb, attr, "deepspeed." + attr)
         return self
 
     def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
+        for owner, attr, fn in reversed(self._saved):
+            setattr(owner, attr, fn)
+        self._saved.clear()
         return False
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -103,3 +104,27 @@ def test_deepspeed_config_is_found_where_transformers_and_accelerate_put_it(tmp_
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     setup = find_deepspeed_setup(None)
     assert setup.stage == 3 and setup.dtype == torch.bfloat16
+
+
+def test_hub_id_from_the_local_cache(workdir, monkeypatch):
+    """A hub id already in the local cache resolves through transformers (offline), and loads equal to plain."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True)
+    cache = os.path.join(workdir, "hub_cache")
+    snapshot = os.path.join(cache, "models--local--tiny-qwen3-moe", "snapshots", "0" * 40)
+    if not os.path.exists(snapshot):
+        os.makedirs(os.path.join(cache, "models--local--tiny-qwen3-moe", "refs"))
+        with open(os.path.join(cache, "models--local--tiny-qwen3-moe", "refs", "main"), "w") as f:
+            f.write("0" * 40)
+        shutil.copytree(src, snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    case = {"name": "hub", "path": "local/tiny-qwen3-moe", "dtype": "float32", "out": os.path.join(workdir, "hub.pt")}
+    (dump,) = run_torchrun(2, [case], workdir)
+    got = dump["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for name, p in plain.named_parameters():
+        assert torch.equal(got["state"][name], p.detach()), name
+    assert got["generation_config"] == plain.generation_config.to_dict()
