@@ -250,7 +250,7 @@ def from_pretrained(
     *model_args,
     ds_config: dict | str | None = None,
     missing_init_budget_bytes: int = DEFAULT_BUDGET_BYTES,
-    read_threads: int = 4,
+    read_threads: int | None = None,
     agreement_timeout_s: float | None = None,
     allow_suspicious_missing_keys: bool = False,
     keep_in_fp32: bool = False,
@@ -267,7 +267,7 @@ def from_pretrained(
     Args beyond transformers':
         missing_init_budget_bytes: at most this many bytes (or the largest single missing parameter) are
             gathered at once to initialise missing weights.
-        read_threads: threads issuing positional reads.
+        read_threads: threads issuing positional reads (default: this rank's share of the CPU cores, at most 4).
         agreement_timeout_s: how long ranks wait for each other at an agreement point before failing
             (default 300 s, env `HF_ZERO3_LOADER_TIMEOUT`).
         allow_suspicious_missing_keys: load even if parameters come back missing next to unexpected keys
@@ -306,6 +306,9 @@ def from_pretrained(
     reason = f"ZeRO-3 ({setup.found_via})"
     report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())
     logger.info("hf_zero3_loader: init context 'zero3-meta' (%s): each rank reads its own partitions", reason)
+    if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
     hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads,
                        allow_suspicious_missing_keys, keep_in_fp32)
     error, model = None, None
