@@ -146,6 +146,7 @@ def run_case(case: dict) -> dict:
     result["collectives"] = counter.calls
     result["collective_bytes"] = counter.bytes
     result["largest_allocation_bytes"] = largest.largest_bytes
+    result["largest_allocation_numel"] = largest.largest_numel
     result["training"] = model.training
     result["state"] = gather_state(model)
     result["config"] = model.config.to_dict()

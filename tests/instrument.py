@@ -79,11 +79,13 @@ class CollectiveCounter:
 
 
 class LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor any aten op produced on a real (non-meta) device while active."""
+    """Records the largest tensor storage (in elements, and in bytes) any aten op produced on a real (non-meta)
+    device while active, in this thread (dispatch modes are thread-local)."""
 
     def __init__(self):
         super().__init__()
         self.largest_bytes = 0
+        self.largest_numel = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -94,4 +96,6 @@ class LargestAllocation(TorchDispatchMode):
                 except Exception:
                     nbytes = t.numel() * t.element_size()
                 self.largest_bytes = max(self.largest_bytes, nbytes)
+                if t.is_floating_point():  # a uint8 view over a partition is bytes, not elements
+                    self.largest_numel = max(self.largest_numel, nbytes // t.element_size())
         return out
