@@ -365,6 +365,8 @@ def main() -> None:
             json.dump(every, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip finalisation: gloo threads can abort it (a known torch teardown race)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,8 @@ def worker(variant: str, path: str, out: str, budget: int) -> None:
         with open(out, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip finalisation: gloo threads can abort it (a known torch teardown race)
 
 
 def _launch(variant: str, world_size: int, path: str, out: str, budget: int) -> list[dict]:
