@@ -292,6 +292,8 @@ def from_pretrained(
         _attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
         return model
 
+    if kwargs.get("device_map") is not None:
+        raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition itself")
     kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
     _ensure_distributed()
     import torch.distributed as dist

@@ -128,6 +128,8 @@ CASES = {
                                 "ConfigError", ["autoep_size=3", "does not divide", "world size 2"]),
     "dtype_conflicts_with_config": ("good", _stage3(bf16={"enabled": True}), {"dtype": "float16"}, None,
                                     "ConfigError", ["conflicts", "bfloat16"]),
+    "device_map_with_zero3": ("good", None, {"device_map": "auto"}, None, "ConfigError",
+                              ["device_map", "ZeRO-3"]),
 }
 
 
