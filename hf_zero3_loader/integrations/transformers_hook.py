@@ -1,0 +1,56 @@
+"""Route `PreTrainedModel.from_pretrained` through hf_zero3_loader whenever DeepSpeed ZeRO-3 is in force.
+
+For scripts run with `accelerate launch --use_deepspeed` or the Trainer: add `import hf_zero3_loader.auto` once at
+the top and leave every `AutoModel*.from_pretrained(...)` call as it is. Without ZeRO-3 (no config found, or
+stage 0-2) the call goes to transformers unchanged. The ZeRO-3 config is found the way `from_pretrained` finds
+it (HfDeepSpeedConfig, AcceleratorState, `accelerate launch` environment).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+_state = threading.local()
+_original = None
+
+
+def _inside_loader() -> bool:
+    return getattr(_state, "depth", 0) > 0
+
+
+def install() -> None:
+    """Patch `PreTrainedModel.from_pretrained` (idempotent)."""
+    global _original
+    from transformers.modeling_utils import PreTrainedModel
+
+    if _original is not None:
+        return
+    _original = PreTrainedModel.__dict__["from_pretrained"]
+    plain = _original.__func__
+
+    @functools.wraps(plain)
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        from ..deepspeed_setup import find_deepspeed_setup
+        from ..loader import from_pretrained as zero3_from_pretrained
+
+        setup = None if _inside_loader() else find_deepspeed_setup(None)
+        if setup is None or setup.stage != 3:
+            return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        _state.depth = getattr(_state, "depth", 0) + 1  # our loader calls from_pretrained itself
+        try:
+            # no ds_config: the loader finds the same config and records where it came from
+            return zero3_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        finally:
+            _state.depth -= 1
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def uninstall() -> None:
+    global _original
+    from transformers.modeling_utils import PreTrainedModel
+
+    if _original is not None:
+        PreTrainedModel.from_pretrained = _original
+        _original = None

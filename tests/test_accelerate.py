@@ -1,0 +1,52 @@
+"""No call-site changes: `import hf_zero3_loader.auto` under a real `accelerate launch --use_deepspeed`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.checkpoints import make_checkpoint
+from tests.conftest import ROOT, free_port
+
+
+def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    config = os.path.join(workdir, "ds_zero3.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}, f)
+    out = os.path.join(workdir, "accelerate.pt")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+           "--deepspeed_config_file", config, "--main_process_port", str(free_port()),
+           os.path.join(ROOT, "tests", "accelerate_script.py"), path, out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    got = torch.load(out, weights_only=False)
+    assert got["report"]["init_context"] == "zero3-meta"
+    assert "accelerate launch environment" in got["report"]["reason"]
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    for name, p in plain.named_parameters():
+        assert torch.equal(got["state"][name], p.detach()), name
+
+
+def test_without_zero3_the_hook_leaves_from_pretrained_alone(workdir):
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero3_loader.integrations.transformers_hook import install, uninstall
+
+    path = make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied")
+    install()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path)
+    finally:
+        uninstall()
+    assert not hasattr(model, "hf_zero3_load_report")
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    for (name, a), (_, b) in zip(model.named_parameters(), plain.named_parameters()):
+        assert torch.equal(a, b), name
