@@ -239,7 +239,8 @@ def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> 
         return source.shape == target.shape and torch.equal(source, target)
     if source.ds_shape != target.ds_shape:
         return False
-    differs = torch.tensor([0 if torch.equal(source.ds_tensor, target.ds_tensor) else 1], dtype=torch.int32)
+    differs = torch.tensor([0 if torch.equal(source.ds_tensor, target.ds_tensor) else 1], dtype=torch.int32,
+                           device=source.ds_tensor.device)  # NCCL reduces only accelerator tensors
     dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=source.ds_process_group)
     return differs.item() == 0
 
