@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _bench_common import free_port  # noqa: E402
+from _bench_worker import RssSampler  # noqa: E402
 
 
 def make_checkpoint(path: str) -> tuple[str, int]:
@@ -45,36 +47,6 @@ def make_checkpoint(path: str) -> tuple[str, int]:
     return path, missing
 
 
-class PeakRss:
-    """Samples this process's RSS every 5 ms; `growth` is the peak minus the RSS at start."""
-
-    def __init__(self):
-        import psutil
-
-        self.proc = psutil.Process()
-        self.base = self.peak = self.proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
-
-
 def worker(variant: str, path: str, out: str, budget: int) -> None:
     import deepspeed
     import torch
@@ -98,7 +70,7 @@ def worker(variant: str, path: str, out: str, budget: int) -> None:
     torch.manual_seed(0)
     dist.barrier()
     keep = None
-    with PeakRss() as rss:
+    with RssSampler() as rss:
         start = time.perf_counter()
         if variant == "upstream":
             from transformers.integrations import HfDeepSpeedConfig
@@ -115,7 +87,7 @@ def worker(variant: str, path: str, out: str, budget: int) -> None:
         if ".mlp.experts." in name:
             with GatheredParameters([p]):
                 checksum += float(p.float().abs().sum()) if dist.get_rank() == 0 else 0.0
-    row = {"variant": variant, "rank": dist.get_rank(), "seconds": seconds, "rss_growth": rss.growth,
+    row = {"variant": variant, "rank": dist.get_rank(), "seconds": seconds, "rss_growth": rss.growth()["rss"],
            "largest_gather": max(gathers, default=0), "gathers": len(gathers), "checksum": checksum}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -128,9 +100,7 @@ def worker(variant: str, path: str, out: str, budget: int) -> None:
 
 
 def _launch(variant: str, world_size: int, path: str, out: str, budget: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_port",
            str(port), __file__, "--worker", variant, "--path", path, "--out", out, "--budget-mib", str(budget >> 20)]
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
