@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .planner.plan import PartitionGroup, TensorPlan
+from .planner.plan import WORLD, PartitionGroup, TensorPlan
 
 
 class Zero3Partitioner:
@@ -22,11 +22,8 @@ class Zero3Partitioner:
         # Constructed, never entered: no module patching, no construction hooks.
         self._init: Init = deepspeed.zero.Init(config_dict_or_path=ds_config)
         self.local_device = torch.device(self._init.local_device)
+        # NVMe offload was refused earlier (deepspeed_setup.check_supported); this is the CPU-offload or local device
         remote = str(getattr(self._init.remote_device, "value", self._init.remote_device))
-        if remote == "nvme":
-            from .errors import ConfigError
-
-            raise ConfigError("NVMe parameter offload (offload_param.device='nvme') is not supported by hf_zero3_loader")
         self.remote_device = torch.device(remote) if remote not in ("None", "none") else self.local_device
 
     @property
@@ -37,7 +34,7 @@ class Zero3Partitioner:
         """The group `zero.Init` would partition over (the world, or the config's data-parallel group)."""
         import deepspeed.comm as dist
 
-        return PartitionGroup("world", dist.get_world_size(group=self.group), dist.get_rank(group=self.group))
+        return PartitionGroup(WORLD, dist.get_world_size(group=self.group), dist.get_rank(group=self.group))
 
     def allocate(self, module: torch.nn.Module, name: str, plan: TensorPlan) -> torch.Tensor:
         """Replace meta parameter `module.<name>` by a ZeRO-3 param with a zeroed local partition; return it."""

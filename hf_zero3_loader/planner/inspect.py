@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..checkpoint import open_checkpoint
-from .plan import LoadPlan, PartitionGroup, build_plan
+from .plan import WORLD, LoadPlan, PartitionGroup, build_plan
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -42,10 +42,10 @@ def plan_ranks(folder: str, world_size: int, ranks=None, model_class=None, dtype
 
     model, dtype = meta_skeleton(folder, model_class, dtype)
     checkpoint = open_checkpoint(checkpoint_files(folder))
+    mapping = get_model_conversion_mapping(model)  # build_plan copies converters; the mapping is reusable
     plans = []
     for rank in ranks if ranks is not None else range(world_size):
-        mapping = get_model_conversion_mapping(model)
         plans.append(build_plan(model, checkpoint, mapping, dtype, model._get_dtype_plan(dtype),
-                                group_of=lambda name, r=rank: PartitionGroup("world", world_size, r),
+                                group_of=lambda name, r=rank: PartitionGroup(WORLD, world_size, r),
                                 rank=rank, world_size=world_size))
     return plans
