@@ -86,18 +86,12 @@ def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup 
     return DeepSpeedSetup(config, "accelerate launch environment") if config else None
 
 
-def check_supported(setup: DeepSpeedSetup, world_size: int) -> None:
+def check_supported(setup: DeepSpeedSetup) -> None:
     zero = setup.config.get("zero_optimization") or {}
     offload = zero.get("offload_param") or {}
     if str(offload.get("device", "none")).lower() == "nvme":
         raise ConfigError("NVMe parameter offload (zero_optimization.offload_param.device='nvme') is not supported "
                           "by hf_zero3_loader; use offload_param.device='cpu' or none")
-    ep = setup.config.get("expert_parallel") or {}
-    if ep.get("enabled"):
-        size = ep.get("autoep_size", 1)
-        if not isinstance(size, int) or size < 1 or world_size % size:
-            raise ConfigError(f"expert_parallel.autoep_size={size!r} does not divide the world size {world_size}")
-        raise ConfigError("expert_parallel (AutoEP) together with ZeRO-3 is not supported by hf_zero3_loader yet")
 
 
 def resolve_dtype(setup: DeepSpeedSetup, requested) -> torch.dtype | str:

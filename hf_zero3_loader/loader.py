@@ -25,8 +25,9 @@ from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_files, check_weight_map, open_checkpoint
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
 from .errors import ConfigError, ConversionMismatchError
+from .expert_parallel import ExpertParallelLayout, create_groups, is_requested, request_from
 from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
-from .planner.plan import LoadPlan, build_plan, check_plan_is_exact, suspicious_missing_keys
+from .planner.plan import LoadPlan, check_plan_is_exact, plan_tensors, resolve_checkpoint, suspicious_missing_keys
 from .reader import FileReader, ReadStats, run_reads
 from .zero3 import Zero3Partitioner
 
@@ -46,6 +47,7 @@ class LoadReport:
     init: InitStats = field(default_factory=InitStats)
     seconds: float = 0.0
     phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
+    expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
 
     @contextmanager
     def phase(self, name: str):
@@ -62,6 +64,8 @@ class LoadReport:
                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
         if self.plan is not None:
             out.update(self.plan.summary())
+        if self.expert_parallel is not None:
+            out["expert_parallel"] = self.expert_parallel
         return out
 
 
@@ -83,8 +87,9 @@ class _Zero3Load:
     """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
 
     def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
-                 allow_suspicious_missing: bool = False, keep_in_fp32: bool = False):
+                 allow_suspicious_missing: bool = False, keep_in_fp32: bool = False, expert_parallel=None):
         self.allow_suspicious_missing = allow_suspicious_missing
+        self.expert_parallel = expert_parallel  # (ExpertParallelRequest, ExpertParallelGroups) or None
         self.reached_load = False
         self.keep_in_fp32 = keep_in_fp32
         self.setup = setup
@@ -114,17 +119,27 @@ class _Zero3Load:
             checkpoint = self._open_checkpoint(checkpoint_files, load_config)
             partitioner = Zero3Partitioner(self.setup.config)
             world = partitioner.world_group()
-            plan = build_plan(
-                model, checkpoint, load_config.weight_mapping or [], load_config.dtype, load_config.dtype_plan or {},
-                group_of=lambda name: world, rank=world.rank, world_size=world.size,
-            )
+            resolution = resolve_checkpoint(model, checkpoint, load_config.weight_mapping or [],
+                                            load_config.dtype_plan or {})
+            group_of, sources, layout = (lambda name: world), None, None
+            if self.expert_parallel is not None:  # the MoE blocks become AutoEP layers, still on meta
+                request, groups = self.expert_parallel
+                layout = ExpertParallelLayout.convert(model, request, groups)
+                group_of = layout.group_of(world, partitioner.add_group(groups.edp_name, groups.edp_group))
+                sources = layout.sources
+            plan = plan_tensors(model, resolution, checkpoint, group_of, world.rank, world.size, sources)
             check_plan_is_exact(plan)
+            if layout is not None:
+                layout.check_loaded(plan)
+                self.report.expert_parallel = layout.summary(plan)
             if isinstance(load_config.dtype, torch.dtype):
                 self._params_in_engine_dtype(plan, load_config.dtype)
             self._refuse_broken_conversion(model, plan)
             self.report.plan = plan
         with self.report.phase("allocate"):
             destinations = self._allocate(model, plan, partitioner)
+            if layout is not None:
+                layout.materialize_new_buffers(_local_device())
         with self.report.phase("read"):
             self._read(plan, checkpoint, destinations)
         model._weight_conversions = plan.converted_weight_mapping  # what save_pretrained reverses
@@ -256,6 +271,7 @@ def from_pretrained(
     allow_suspicious_missing_keys: bool = False,
     keep_in_fp32: bool = False,
     init_context: str = "auto",
+    ep_size: int | None = None,
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -278,10 +294,19 @@ def from_pretrained(
             the engine's dtype, with a warning naming them.
         init_context: "auto" (meta skeleton, falling back to `zero.Init` for models that cannot be built on
             meta), "meta", or "zero.Init" (transformers' own ZeRO-3 path).
+        ep_size: expert parallelism: each rank owns `num_experts / ep_size` experts of every MoE layer, as DeepSpeed
+            AutoEP trains them, and reads only those. Also asked for by the DeepSpeed config's `expert_parallel`
+            section or transformers' `distributed_config=DistributedConfig(ep_size=...)`; they must agree.
     """
     start = time.perf_counter()
     setup = find_deepspeed_setup(ds_config)
     if setup is None or setup.stage != 3:
+        if setup is not None and is_requested(setup.config, ep_size, kwargs.get("distributed_config")):
+            raise ConfigError(f"expert parallelism with ZeRO stage {setup.stage} is not supported by hf_zero3_loader "
+                              "yet; use ZeRO-3, or let deepspeed.initialize apply AutoEP to a plain load")
+        if ep_size is not None:
+            raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config; without DeepSpeed use transformers' "
+                              "distributed_config=DistributedConfig(ep_size=...)")
         reason = "no DeepSpeed config found" if setup is None else f"ZeRO stage {setup.stage} ({setup.found_via})"
         logger.info("hf_zero3_loader: init context 'meta' (%s): loading onto the local device with transformers", reason)
         if setup is not None:
@@ -296,24 +321,35 @@ def from_pretrained(
     if kwargs.get("device_map") is not None:
         raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition itself")
     kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+    distributed_config = kwargs.pop("distributed_config", None)  # its expert parallelism is ours to build
     _ensure_distributed()
     import torch.distributed as dist
 
-    check_supported(setup, dist.get_world_size())
+    check_supported(setup)
+    expert_parallel = None
+    ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
+    if ep_request is not None:  # groups first, on every rank: the engine reuses them
+        expert_parallel = (ep_request, create_groups(ep_request, setup.config))
     agreement = Agreement(agreement_timeout_s) if agreement_timeout_s else Agreement()
     if init_context not in ("auto", "meta", "zero.Init"):
         raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
+    if ep_request is not None and init_context == "zero.Init" and not (setup.config.get("expert_parallel") or {}).get("enabled"):
+        raise ConfigError("init_context='zero.Init' builds transformers' MoE blocks; expert parallelism is then "
+                          "DeepSpeed's engine-side AutoEP, which needs `expert_parallel` in the DeepSpeed config")
     if init_context == "zero.Init":
         return _load_with_zero_init(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
                                     "requested with init_context='zero.Init'", start)
     reason = f"ZeRO-3 ({setup.found_via})"
-    report = LoadReport("zero3-meta", reason, rank=dist.get_rank(), world_size=dist.get_world_size())
-    logger.info("hf_zero3_loader: init context 'zero3-meta' (%s): each rank reads its own partitions", reason)
+    context = "zero3-meta"
+    if ep_request is not None:
+        context, reason = "ep-meta", f"{reason}, expert parallel size {ep_request.ep_size} ({ep_request.asked_via})"
+    report = LoadReport(context, reason, rank=dist.get_rank(), world_size=dist.get_world_size())
+    logger.info("hf_zero3_loader: init context '%s' (%s): each rank reads its own partitions", context, reason)
     if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
     hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads,
-                       allow_suspicious_missing_keys, keep_in_fp32)
+                       allow_suspicious_missing_keys, keep_in_fp32, expert_parallel)
     error, model = None, None
     try:
         with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):

@@ -6,6 +6,9 @@
         [--state-out F]            gather all params and buffers, rank 0 writes F.state.json (dtype, shape, sha256 per
                                    tensor) and with --full-state also F.state.pt (the tensors)
         [--compare-with F]         rank 0 compares its gathered tensors with F.state.json (and F.state.pt when present)
+        [--ep-size N]              expert parallelism (AutoEP, ep_size N): ours loads straight into it, upstream
+                                   gets it from deepspeed.initialize (engine-side AutoEP); the measured window then
+                                   runs through the end of deepspeed.initialize for both
 
 Every variant runs in a fresh process: imports, `init_distributed` and the model module import happen before
 the baseline, so the measured window is only the load. Per rank it records wall seconds of the load, the peak
@@ -125,18 +128,33 @@ def io_counters() -> dict:
 
 
 # -- the three variants ------------------------------------------------------------------------------------
-def load_ours(path: str):
+def ds_config(ep_size: int) -> dict:
+    if not ep_size:
+        return DS_CONFIG
+    return {**DS_CONFIG, "expert_parallel": {"enabled": True, "autoep_size": ep_size}}
+
+
+def load_ours(path: str, config: dict):
     from transformers import AutoModelForCausalLM
 
     import hf_zero3_loader
 
-    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=DS_CONFIG)
+    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config)
 
 
-def load_upstream(path: str):
+def load_upstream(path: str, config: dict):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+
+
+def initialize(model, config: dict):
+    """deepspeed.initialize without an optimizer: the engine partitions (upstream: after engine-side AutoEP
+    replaced and repacked the MoE blocks); optimizer states would be the same for both and are left out."""
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine
 
 
 def read_spans(spans: list, threads: int) -> torch.Tensor:
@@ -266,7 +284,9 @@ def main() -> None:
     ap.add_argument("--full-state", action="store_true")
     ap.add_argument("--compare-with")
     ap.add_argument("--floor-threads", type=int, default=4)
+    ap.add_argument("--ep-size", type=int, default=0)
     args = ap.parse_args()
+    config = ds_config(args.ep_size)
 
     import deepspeed
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401
@@ -281,7 +301,10 @@ def main() -> None:
     if args.variant == "upstream":
         from transformers.integrations import HfDeepSpeedConfig
 
-        keep_alive = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (transformers holds only a weakref)
+        from hf_zero3_loader import _deepspeed_private
+
+        keep_alive = HfDeepSpeedConfig(config)  # noqa: F841  (transformers holds only a weakref)
+        _deepspeed_private.allow_registry_get_default()  # AutoEP presets on a transformers 5.23 model need it
     spans = None
     if args.variant == "floor":
         with open(args.spans_in) as f:
@@ -305,7 +328,11 @@ def main() -> None:
             model = None
         else:
             with counter, st_bytes:
-                model = load_ours(args.path) if args.variant == "ours" else load_upstream(args.path)
+                model = (load_ours if args.variant == "ours" else load_upstream)(args.path, config)
+                if args.ep_size:
+                    result["load_seconds"] = time.perf_counter() - start
+                    engine = initialize(model, config)
+                    model = engine.module
             seconds = time.perf_counter() - start
     io1 = io_counters()
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -14,6 +14,14 @@ reported), so every variant starts in a fresh process:
             built under deepspeed.zero.Init, rank 0 reads the whole checkpoint, gathers/broadcasts per module
 
 DS = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}.
+
+With --ep, each world size W also runs expert parallelism (DS + "expert_parallel": {"enabled": true, "autoep_size": W}),
+timed through the end of deepspeed.initialize (no optimizer) for both variants:
+
+  ours      hf_zero3_loader.from_pretrained(..., ds_config=DS_EP) builds the AutoEP layout while loading, each rank
+            reading its local experts; then deepspeed.initialize(model, DS_EP)
+  upstream  transformers' ZeRO-3 load, then deepspeed.initialize(model, DS_EP): engine-side AutoEP replaces the MoE
+            blocks, gathering each layer's whole fused experts on every rank
 The page cache cannot be dropped here, so all checkpoint files are read once before every launch: every
 variant runs warm. Per rank: load seconds; peak RSS growth (psutil sampling thread every 5 ms, peak minus the
 RSS just before the load; imports and init_distributed happen before); bytes through collectives during the
@@ -41,23 +49,25 @@ from _bench_common import REPO, MiB, launch, log_tail, make_checkpoint, table, w
 VARIANTS = ("ours", "floor", "upstream")  # ours first: the floor reads the byte ranges ours planned
 
 
-def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int) -> dict:
+def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False) -> dict:
     """Every variant `repeats` times, interleaved (ours, floor, upstream, ours, ...); keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
     launched `repeats` times and the run whose slowest rank is the median is reported (all runs are in the JSON).
     """
-    d = os.path.join(workdir, f"w{world}")
+    d = os.path.join(workdir, f"w{world}{'_ep' if ep else ''}")
     os.makedirs(d, exist_ok=True)
-    out: dict = {"world_size": world, "runs": {v: [] for v in VARIANTS}, "launch_seconds": {v: [] for v in VARIANTS}}
+    variants = ("ours", "upstream") if ep else VARIANTS
+    out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
+                 "ep_size": world if ep else None}
     for rep in range(repeats):
-        for variant in VARIANTS:
+        for variant in variants:
             if variant == "floor" and not out["runs"]["ours"]:
                 continue  # no plan to read
             result = os.path.join(d, f"{variant}.{rep}.json")
             if os.path.exists(result):
                 os.remove(result)
-            args = ["--variant", variant, "--path", ckpt, "--result", result]
+            args = ["--variant", variant, "--path", ckpt, "--result", result] + (["--ep-size", str(world)] if ep else [])
             check = verify and rep == 0
             if variant == "ours" and rep == 0:
                 args += ["--spans-out", os.path.join(d, "spans.json")]
@@ -95,7 +105,9 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
 
 def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
     by = {v: [r for r in run["results"] if r["variant"] == v] for v in VARIANTS}
-    lines = [f"### world size {world}", "", f"(per variant: the median of {max(len(v) for v in run['runs'].values())} "
+    title = f"### world size {world}" + (f", expert parallel size {run['ep_size']} (load + deepspeed.initialize)"
+                                         if run.get("ep_size") else "")
+    lines = [title, "", f"(per variant: the median of {max(len(v) for v in run['runs'].values())} "
              f"launches by slowest-rank load time)", "", table(run["results"]), ""]
     lines.append("slowest-rank load s of every launch: " + "; ".join(
         f"{v} " + ", ".join(f"{max(r['seconds'] for r in ranks):.3f}" for ranks in runs)
@@ -174,6 +186,8 @@ def main() -> None:
                     help="world size whose run also checks ours == upstream (default: the first; 0: none)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun launch")
     ap.add_argument("--repeats", type=int, default=3, help="launches per variant and world size (median reported)")
+    ap.add_argument("--ep", action="store_true", help="also run expert parallelism (ep_size = world size)")
+    ap.add_argument("--ep-only", action="store_true", help="run only the expert parallelism rows")
     args = ap.parse_args()
 
     start = time.perf_counter()
@@ -201,16 +215,18 @@ def main() -> None:
 
     report: dict = {"checkpoint": {"path": ckpt, **meta}, "worlds": {}}
     texts = []
-    for world in worlds:
-        run = run_world(world, ckpt, workdir, verify=world == verify_world, timeout=args.timeout,
-                        repeats=args.repeats)
-        text, summary = summarize(world, run, ckpt_bytes)
-        run.update(summary)
-        report["worlds"][str(world)] = run
-        texts.append(text)
-        print()
-        print(text, flush=True)
-        print()
+    modes = ([] if args.ep_only else [False]) + ([True] if args.ep or args.ep_only else [])
+    for ep in modes:
+        for world in worlds:
+            run = run_world(world, ckpt, workdir, verify=world == verify_world, timeout=args.timeout,
+                            repeats=args.repeats, ep=ep)
+            text, summary = summarize(world, run, ckpt_bytes)
+            run.update(summary)
+            report["worlds"][f"{world}{'_ep' if ep else ''}"] = run
+            texts.append(text)
+            print()
+            print(text, flush=True)
+            print()
     report["total_seconds"] = time.perf_counter() - start
     print(f"total wall time {report['total_seconds']:.0f}s")
     if args.json_out:

@@ -93,3 +93,41 @@ def qwen3_vl_moe_config():
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=28,
                            patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]),
     )
+
+
+# Expert-parallel families: every model type DeepSpeed 0.19.8 has an AutoEP preset for. 6 experts (ep_size 1, 2, 3, 6;
+# Mixtral 4: ep_size 4), odd expert and hidden sizes, so a local expert slice does not divide over an
+# expert-data-parallel group of 2.
+EP_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe_text", "minimax_m3_vl_text")
+
+
+def ep_config(family: str):
+    import transformers as T
+
+    common = dict(vocab_size=101, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=64, tie_word_embeddings=False, num_experts_per_tok=2)
+    deepseek = dict(hidden_size=28, intermediate_size=22, moe_intermediate_size=11, n_routed_experts=6,
+                    n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)
+    if family == "qwen3_moe":
+        return T.Qwen3MoeConfig(**common, hidden_size=27, head_dim=10, intermediate_size=22, moe_intermediate_size=11,
+                                num_experts=6, decoder_sparse_step=1)
+    if family == "qwen2_moe":
+        return T.Qwen2MoeConfig(**common, hidden_size=28, intermediate_size=22, moe_intermediate_size=11,
+                                shared_expert_intermediate_size=13, num_experts=6, decoder_sparse_step=1)
+    if family == "mixtral":
+        return T.MixtralConfig(**common, hidden_size=28, intermediate_size=11, num_local_experts=4)
+    if family == "deepseek_v2":
+        return T.DeepseekV2Config(**{**common, "num_key_value_heads": 2}, **deepseek, q_lora_rank=None)
+    if family == "deepseek_v3":
+        return T.DeepseekV3Config(**{**common, "num_key_value_heads": 2}, **deepseek, q_lora_rank=24)
+    if family == "qwen3_5_moe_text":
+        return T.Qwen3_5MoeTextConfig(**common, hidden_size=27, head_dim=10, moe_intermediate_size=11,
+                                      shared_expert_intermediate_size=13, num_experts=6, linear_key_head_dim=8,
+                                      linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2)
+    if family == "minimax_m3_vl_text":
+        return T.MiniMaxM3VLTextConfig(**common, hidden_size=27, head_dim=10, rotary_dim=10, intermediate_size=11,
+                                       dense_intermediate_size=22, shared_intermediate_size=13, num_local_experts=6,
+                                       bos_token_id=1, eos_token_id=2, index_n_heads=1, index_head_dim=8,
+                                       index_block_size=4)
+    raise ValueError(family)

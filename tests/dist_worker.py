@@ -1,9 +1,11 @@
 """Runs inside each rank of a real `torchrun` job: loads checkpoints with hf_zero3_loader, gathers, dumps.
 
 Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
-Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional)}.
+Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional),
+"checkpoint_roundtrip"(optional), "all_ranks_state"(optional)}.
 Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
-the collectives each rank saw during the load.
+the collectives each rank saw during the load (with "all_ranks_state", every rank's gathered state: under expert
+parallelism each rank gathers its own experts).
 """
 
 from __future__ import annotations
@@ -47,12 +49,19 @@ def gather_state(model) -> dict:
     return state
 
 
-def train_losses(model, ds_config: dict, steps: int, vocab: int) -> list[float]:
+def initialize(model, ds_config: dict, result: dict):
+    """deepspeed.initialize, counting the collectives it issues (into `result["init_collectives"]`)."""
     import deepspeed
 
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    with CollectiveCounter() as counter:
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    result["init_collectives"] = {"calls": counter.calls, "bytes": counter.bytes, "largest": counter.largest}
     engine.train()
-    g = torch.Generator().manual_seed(1234)
+    return engine
+
+
+def train_losses(engine, steps: int, vocab: int, seed: int = 1234) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, vocab, (1, 12), generator=g)
@@ -61,6 +70,21 @@ def train_losses(model, ds_config: dict, steps: int, vocab: int) -> list[float]:
         engine.step()
         losses.append(out.loss.item())
     return losses
+
+
+def checkpoint_roundtrip(case: dict, engine, load_model, ds_config: dict, vocab: int) -> dict:
+    """save_checkpoint, take one more step; a freshly loaded and initialised engine that load_checkpoint()s the
+    same folder takes the same step: both losses must be equal."""
+    import deepspeed
+
+    folder = case["out"] + ".ckpt"
+    engine.save_checkpoint(folder, tag="t")
+    next_loss = train_losses(engine, 1, vocab, seed=99)[0]
+    fresh = load_model()
+    engine2, *_ = deepspeed.initialize(model=fresh, config=ds_config, model_parameters=fresh.parameters())
+    engine2.load_checkpoint(folder, tag="t")
+    engine2.train()
+    return {"next_loss": next_loss, "next_loss_after_load": train_losses(engine2, 1, vocab, seed=99)[0]}
 
 
 def inject_fault(case: dict):
@@ -112,24 +136,34 @@ def run_case(case: dict) -> dict:
         model_class = getattr(transformers, class_name)
     ds_config = case.get("ds_config") or ds_config_for(case["dtype"])
     kwargs = dict(case.get("kwargs", {}))
+    if isinstance(kwargs.get("distributed_config"), dict):  # JSON cases carry transformers' DistributedConfig as a dict
+        kwargs["distributed_config"] = transformers.DistributedConfig(**kwargs["distributed_config"])
     result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     if "seed" in case:
         torch.manual_seed(case["seed"])
     undo_fault = inject_fault(case)
     counter, largest = CollectiveCounter(), LargestAllocation()
-    keep_alive = None
     started = time.monotonic()
+
+    def load():
+        if case.get("upstream"):  # transformers' own ZeRO-3 path (and engine-side AutoEP), for comparisons
+            from transformers.integrations import HfDeepSpeedConfig
+
+            from hf_zero3_loader import _deepspeed_private
+
+            # DeepSpeed 0.19.8's AutoEP presets need this to run on a transformers 5.23 model at all
+            _deepspeed_private.allow_registry_get_default()
+            keep_alive.append(HfDeepSpeedConfig(ds_config))  # transformers holds a weakref
+            dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else torch.float32
+            model = model_class.from_pretrained(case["path"], dtype=dtype, **kwargs)
+            model.hf_zero3_load_report = hf_zero3_loader.LoadReport("upstream zero.Init", "baseline")
+            return model
+        return hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
+
+    keep_alive: list = []
     try:
         with counter, largest:
-            if case.get("upstream"):  # transformers' own ZeRO-3 path, for comparisons
-                from transformers.integrations import HfDeepSpeedConfig
-
-                keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 (transformers holds a weakref)
-                dtype = torch.bfloat16 if case["dtype"] == "bfloat16" else torch.float32
-                model = model_class.from_pretrained(case["path"], dtype=dtype, **kwargs)
-                model.hf_zero3_load_report = hf_zero3_loader.LoadReport("upstream zero.Init", "baseline")
-            else:
-                model = hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
+            model = load()
     except Exception as e:
         undo_fault()
         result["error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
@@ -153,7 +187,10 @@ def run_case(case: dict) -> dict:
     if model.can_generate():
         result["generation_config"] = model.generation_config.to_dict()
     if case.get("train_steps"):
-        result["losses"] = train_losses(model, ds_config, case["train_steps"], model.config.vocab_size)
+        engine = initialize(model, ds_config, result)
+        result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size)
+        if case.get("checkpoint_roundtrip"):
+            result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
     return result
 
 
@@ -168,7 +205,8 @@ def main() -> None:
         if case.get("per_rank_out"):  # written before any collective: a dead peer cannot stop it
             torch.save({k: v for k, v in result.items() if k != "state"}, f"{case['out']}.rank{dist.get_rank()}")
         results = [None] * dist.get_world_size()
-        dist.all_gather_object(results, {k: v for k, v in result.items() if k != "state"})
+        keep = (lambda k: True) if case.get("all_ranks_state") else (lambda k: k != "state")
+        dist.all_gather_object(results, {k: v for k, v in result.items() if keep(k)})
         if dist.get_rank() == 0:
             torch.save({"rank0": result, "ranks": results}, case["out"])
         dist.barrier()

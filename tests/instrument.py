@@ -39,6 +39,7 @@ class CollectiveCounter:
     def __init__(self):
         self.calls: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
+        self.largest: dict[str, int] = {}  # the largest single call's tensor bytes, per collective
         self._saved: list[tuple[object, str, object]] = []
 
     def _wrap(self, owner, attr: str, label: str) -> None:
@@ -48,8 +49,10 @@ class CollectiveCounter:
         self._saved.append((owner, attr, fn))
 
         def wrapper(*args, **kwargs):
+            nbytes = _tensor_bytes(args, kwargs)
             self.calls[label] = self.calls.get(label, 0) + 1
-            self.bytes[label] = self.bytes.get(label, 0) + _tensor_bytes(args, kwargs)
+            self.bytes[label] = self.bytes.get(label, 0) + nbytes
+            self.largest[label] = max(self.largest.get(label, 0), nbytes)
             return fn(*args, **kwargs)
 
         setattr(owner, attr, wrapper)

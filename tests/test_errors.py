@@ -89,6 +89,9 @@ def bad(workdir):
 
     return {
         "good": single,
+        "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
+        "no_experts": rewrite_checkpoint(single, d("no_experts"), lambda t: {
+            k: v for k, v in t.items() if ".experts." not in k}),
         "missing_shard": _copy(sharded, d("missing_shard"), lambda f: os.remove(os.path.join(f, _shards(f)[1]))),
         "truncated": _copy(single, d("truncated"), truncate),
         "corrupt_header": _copy(single, d("corrupt_header"), corrupt_header),
@@ -126,6 +129,16 @@ CASES = {
                      "ConfigError", ["NVMe"]),
     "ep_size_does_not_divide": ("good", _stage3(expert_parallel={"enabled": True, "autoep_size": 3}), {}, None,
                                 "ConfigError", ["autoep_size=3", "does not divide", "world size 2"]),
+    "ep_family_without_autoep_preset": ("llama", None, {"ep_size": 2}, None, "ConfigError",
+                                        ["AutoEP preset", "'llama' has none", "qwen3_moe"]),
+    "ep_experts_not_divisible": ("good", None, {"ep_size": 2}, None, "ConfigError",
+                                 ["has 5 experts", "ep_size=2 does not divide", "[1, 5]"]),
+    "ep_sizes_conflict": ("good", _stage3(expert_parallel={"enabled": True, "autoep_size": 2}), {"ep_size": 1}, None,
+                          "ConfigError", ["conflicting expert parallel sizes", "autoep_size=2", "ep_size=1"]),
+    "ep_with_zero2": ("good", {"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
+                      {}, None, "ConfigError", ["expert parallelism with ZeRO stage 2"]),
+    "ep_missing_expert_weights": ("no_experts", None, {"ep_size": 1}, None, "ConfigError",
+                                  ["needs every MoE router and expert weight", "experts.w1", "gate_up_proj: missing"]),
     "dtype_conflicts_with_config": ("good", _stage3(bf16={"enabled": True}), {"dtype": "float16"}, None,
                                     "ConfigError", ["conflicts", "bfloat16"]),
     "device_map_with_zero3": ("good", None, {"device_map": "auto"}, None, "ConfigError",

@@ -14,7 +14,7 @@ import torch
 from transformers import core_model_loading as cml
 
 from ..errors import UnsupportedConversionError
-from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose
+from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose, slice_along
 
 
 def _first(value) -> Sym:
@@ -63,12 +63,9 @@ def _concatenate(op, inputs, source_patterns, target_patterns, ctx):
 
 
 def _slices(src: Sym, dim: int, sizes: list[int], targets: list[str]) -> dict[str, Sym]:
-    dim = dim % len(src.shape)
     out, offset = {}, 0
     for target, size in zip(targets, sizes):
-        shape = list(src.shape)
-        shape[dim] = size
-        out[target] = Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(src, offset, size, src.shape[dim])]))
+        out[target] = slice_along(src, dim, offset, size)
         offset += size
     return out
 

@@ -21,7 +21,7 @@ from transformers import core_model_loading as cml
 from ..checkpoint import Checkpoint
 from ..errors import LoaderError
 from .ops import apply_converter
-from .symbolic import Run, Sym, to_leaf_runs
+from .symbolic import Run, Sym, slice_along, to_leaf_runs
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ class LoadPlan:
             "tensors": len(self.tensors),
             "bytes_to_read": self.bytes_to_read,
             "read_items": sum(len(t.reads) for t in self.tensors.values()),
+            "largest_partition_numel": max((t.partition_numel for t in self.tensors.values()), default=0),
             "missing": len(self.missing_keys),
             "unexpected": len(self.unexpected_keys),
             "mismatched": len(self.mismatched_keys),
@@ -176,19 +177,37 @@ def dtype_policy(dtype_plan: dict):
     return policy
 
 
-def build_plan(
-    model: torch.nn.Module,
-    checkpoint: Checkpoint,
-    weight_mapping: list,
-    dtype: torch.dtype,
-    dtype_plan: dict,
-    group_of: Callable[[str], PartitionGroup],
-    rank: int,
-    world_size: int,
-) -> LoadPlan:
-    """Plan this rank's reads. `model` is the meta skeleton, untied; `group_of(name)` gives a param's group."""
+@dataclass
+class Resolution:
+    """transformers' key grouping applied to a checkpoint, in the names of the model transformers built:
+    for each model tensor the checkpoint provides, the symbolic converted tensor and its target dtype."""
+
+    converted: dict[str, tuple[Sym, torch.dtype]]
+    unexpected_keys: set[str]
+    mismatched_keys: set[tuple[str, tuple, tuple]]
+    used_mapping: list
+
+
+@dataclass(frozen=True)
+class SourceBox:
+    """A model tensor made of a box of a converted tensor: `source`, sliced by (dim, start, count) in turn.
+
+    Identity (no box) for most tensors; expert parallelism maps each rank's local expert slice this way.
+    """
+
+    source: str
+    box: tuple[tuple[int, int, int], ...] = ()
+
+    def apply(self, sym: Sym) -> Sym:
+        for dim, start, count in self.box:
+            sym = slice_along(sym, dim, start, count)
+        return sym
+
+
+def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_mapping: list, dtype_plan: dict) -> Resolution:
+    """Group checkpoint keys as transformers does and evaluate every converter symbolically (no data read).
+    `model` is the meta skeleton transformers built, untied."""
     meta_state = model.state_dict()
-    params = dict(model.named_parameters(remove_duplicate=False))
     prefix = model.base_model_prefix
     renamings = [e for e in weight_mapping if isinstance(e, cml.WeightRenaming)]
     converters = [e for e in weight_mapping if isinstance(e, cml.WeightConverter)]
@@ -226,7 +245,7 @@ def build_plan(
         "model_type": getattr(model.config, "model_type", type(model).__name__),
         "shape_of": lambda name: tuple(model.get_parameter(name).shape),
     }
-    loaded: dict[str, tuple[Sym, torch.dtype]] = {}
+    converted: dict[str, tuple[Sym, torch.dtype]] = {}
     mismatched: set[tuple[str, tuple, tuple]] = set()
     for first_name, mapping in to_load.items():
         for target, sym in apply_converter(mapping, first_name, ctx).items():
@@ -236,34 +255,68 @@ def build_plan(
             elif tuple(sym.shape) != tuple(meta_state[target].shape):
                 mismatched.add((target, torch.Size(sym.shape), meta_state[target].shape))
             else:
-                loaded[target] = (sym, target_dtype.get(first_name, meta_state[target].dtype))
+                converted[target] = (sym, target_dtype.get(first_name, meta_state[target].dtype))
+    used = [c for c in weight_mapping if c.was_used()]
+    return Resolution(converted, unexpected, mismatched, used)
 
+
+def plan_tensors(
+    model: torch.nn.Module,
+    resolution: Resolution,
+    checkpoint: Checkpoint,
+    group_of: Callable[[str], PartitionGroup],
+    rank: int,
+    world_size: int,
+    sources: dict[str, SourceBox] | None = None,
+) -> LoadPlan:
+    """This rank's plan for every tensor of `model`'s state dict (each tensor once, under its first name).
+    `sources` maps a tensor to a box of another resolved tensor when the model was reshaped after resolution."""
+    params = {id(p) for p in model.parameters()}
+    mismatched_names = {m[0] for m in resolution.mismatched_keys}
     tensors: dict[str, TensorPlan] = {}
-    for name, meta in meta_state.items():
-        is_param = name in params
+    seen: set[int] = set()
+    for name, meta in model.state_dict(keep_vars=True).items():
+        if id(meta) in seen:  # an alias (e.g. AutoEP's router under the transformers name)
+            continue
+        seen.add(id(meta))
+        is_param = id(meta) in params
+        source = (sources or {}).get(name) or SourceBox(name)
         group = group_of(name) if is_param else None
         shape = tuple(meta.shape)
         numel = math.prod(shape)
         start, end, per_rank = partition_range(numel, group) if is_param else (0, numel, numel)
-        status = "load" if name in loaded else ("mismatched" if any(m[0] == name for m in mismatched) else "missing")
-        plan = TensorPlan(
-            name=name,
-            kind="param" if is_param else "buffer",
-            shape=shape,
-            dtype=loaded[name][1] if name in loaded else meta.dtype,
-            group=group,
-            start=start,
-            end=end,
-            partition_numel=per_rank,
-            status=status,
-        )
-        if status == "load":
-            plan.reads = runs_to_read_items(to_leaf_runs(loaded[name][0], start, end - start), checkpoint)
+        if source.source in resolution.converted:
+            sym, dtype = resolution.converted[source.source]
+            sym, status = source.apply(sym), "load"
+            if tuple(sym.shape) != shape:
+                raise LoaderError(f"internal planning error for {name}: source {sym.shape} vs model {shape}")
+        else:
+            sym, dtype = None, meta.dtype
+            status = "mismatched" if source.source in mismatched_names else "missing"
+        plan = TensorPlan(name=name, kind="param" if is_param else "buffer", shape=shape, dtype=dtype, group=group,
+                          start=start, end=end, partition_numel=per_rank, status=status)
+        if sym is not None:
+            plan.reads = runs_to_read_items(to_leaf_runs(sym, start, end - start), checkpoint)
         tensors[name] = plan
 
     missing = {n for n, t in tensors.items() if t.status == "missing"}
-    used = [c for c in weight_mapping if c.was_used()]
-    return LoadPlan(rank, world_size, tensors, missing, unexpected, mismatched, used)
+    return LoadPlan(rank, world_size, tensors, missing, resolution.unexpected_keys, resolution.mismatched_keys,
+                    resolution.used_mapping)
+
+
+def build_plan(
+    model: torch.nn.Module,
+    checkpoint: Checkpoint,
+    weight_mapping: list,
+    dtype: torch.dtype,
+    dtype_plan: dict,
+    group_of: Callable[[str], PartitionGroup],
+    rank: int,
+    world_size: int,
+) -> LoadPlan:
+    """Plan this rank's reads. `model` is the meta skeleton, untied; `group_of(name)` gives a param's group."""
+    resolution = resolve_checkpoint(model, checkpoint, weight_mapping, dtype_plan)
+    return plan_tensors(model, resolution, checkpoint, group_of, rank, world_size)
 
 
 def check_plan_is_exact(plan: LoadPlan) -> None:

@@ -174,6 +174,14 @@ class Transpose(Mapper):
         return runs
 
 
+def slice_along(src: Sym, dim: int, start: int, count: int) -> Sym:
+    """`src[..., start:start+count, ...]` along `dim` (chunk, split, an expert-parallel slice)."""
+    dim = dim % len(src.shape)
+    shape = list(src.shape)
+    shape[dim] = count
+    return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(src, start, count, src.shape[dim])]))
+
+
 def to_leaf_runs(sym: Sym, start: int, length: int) -> list[Run]:
     """Resolve `length` output elements from `start` of `sym` to runs of checkpoint tensors, in output order."""
     if length <= 0:

@@ -1,0 +1,223 @@
+"""Every touch of DeepSpeed's private API, in one place. Written against deepspeed 0.19.8.
+
+ZeRO-3 parameters without `zero.Init` (`zero3.py`):
+- `zero.Init._convert_to_deepspeed_param` only attaches attributes and closures (no allocation, no collective), so an
+  un-entered `Init` converts a parameter; we then hand it a partition we allocated (`ds_tensor` and the status
+  fields `GatheredParameters` and the engine read).
+- `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
+  (AutoEP expert parameters: their expert-data-parallel group).
+
+Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_expert_parallel` does it:
+- `utils.groups._create_expert_and_data_parallel` makes the EP / expert-data-parallel (EDP) groups (idempotent: a
+  group name that exists is kept, so the engine later finds ours);
+- `module_inject.auto_ep.AutoEP(model, cfg).ep_parser()` / `replace_moe_layers(...)` swap transformers' MoE blocks for
+  `AutoEPMoELayer`s; under a meta device nothing is allocated or gathered;
+- `DeepSpeedEngine._configure_expert_parallel` is wrapped so that a model whose MoE blocks we already replaced is not
+  parsed again (the parser finds no transformers MoE block in it and raises): the engine still builds its groups
+  and folding spec, and re-tags optimizer flags as it does after its own replacement.
+- AutoEP's presets call `_CAN_RECORD_REGISTRY.get(key, default)`; transformers 5.23's registry `get` takes one
+  argument. `allow_registry_get_default` widens it to accept the dict signature for string keys.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+
+DEEPSPEED_VERSION_WRITTEN_AGAINST = "0.19.8"
+
+# set on every AutoEPMoELayer this loader builds, so the engine wrapper knows not to replace again
+BUILT_BY_LOADER = "_hf_zero3_loader_built"
+
+
+# -- ZeRO-3 parameters ---------------------------------------------------------------------------------------------
+
+class ZeroParamFactory:
+    """Turns meta parameters into ZeRO-3 parameters whose partition we provide."""
+
+    def __init__(self, ds_config: dict):
+        import deepspeed
+
+        # Constructed, never entered: no module patching, no construction hooks.
+        self._init = deepspeed.zero.Init(config_dict_or_path=ds_config)
+        self.local_device = torch.device(self._init.local_device)
+        # NVMe offload was refused earlier (deepspeed_setup.check_supported); this is the CPU-offload or local device
+        remote = str(getattr(self._init.remote_device, "value", self._init.remote_device))
+        self.remote_device = torch.device(remote) if remote not in ("None", "none") else self.local_device
+
+    @property
+    def default_group(self):
+        """The group `zero.Init` partitions over (the world, or the config's data-parallel group)."""
+        return self._init.ds_process_group
+
+    def convert(self, param: torch.nn.Parameter, process_group=None) -> torch.nn.Parameter:
+        """Attach ZeRO-3 attributes to `param` (a real tensor of the full logical shape, e.g. an expanded scalar)."""
+        if process_group is not None:
+            param.ds_zero_partition_process_group = process_group
+        self._init._convert_to_deepspeed_param(param)  # ds_shape/ds_numel, ds_id, closures; no collective
+        return param
+
+    @staticmethod
+    def attach_partition(param: torch.nn.Parameter, partition: torch.Tensor, empty_data: torch.Tensor) -> None:
+        """Give a converted param its local partition and mark it partitioned (not gathered)."""
+        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus, ZeroParamStatus
+
+        partition.requires_grad = False
+        partition.ds_numel = partition.numel()
+        partition.status = PartitionedParamStatus.AVAILABLE
+        partition.final_location = None
+        param.ds_tensor = partition
+        param.ds_numel_aligned = partition.numel() * param.ds_zero_partition_world_size
+        param.data = empty_data
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+# -- expert parallelism --------------------------------------------------------------------------------------------
+
+def autoep_presets() -> dict[str, tuple[str, ...]]:
+    """AutoEP preset name -> the transformers model types it accepts."""
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    return {name: tuple(preset.hf_model_types) for name, preset in PRESET_MODELS.items()}
+
+
+def parse_autoep_section(section: dict):
+    """The `expert_parallel` config section as DeepSpeed parses it (an `AutoEPConfig`)."""
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
+    return parse_autoep_config(section)
+
+
+def use_data_before_expert_parallel(ds_config: dict) -> bool:
+    from deepspeed.runtime.config import get_expert_data_topo_config
+
+    return bool(get_expert_data_topo_config(ds_config))
+
+
+def expert_parallel_groups(ep_size: int, data_before_expert: bool):
+    """Create (once) and return (ep group, expert-data-parallel group, group name) as the engine does."""
+    from deepspeed.utils import groups
+
+    groups._create_expert_and_data_parallel(expert_parallel_size_=ep_size, mp_size=1, pp_size=1, mp_mode="sp",
+                                            use_data_before_expert_parallel_=data_before_expert)
+    name = f"ep_size_{ep_size}"
+    return groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name), name
+
+
+def detect_moe_layers(model: torch.nn.Module, autoep_config) -> list:
+    """AutoEP's own detection (`MoELayerSpec`s), run on the meta skeleton."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+
+    allow_registry_get_default()
+    return AutoEP(model, autoep_config).ep_parser()
+
+
+def replace_moe_layers(model: torch.nn.Module, autoep_config, specs: list, ep_size: int, ep_rank: int) -> None:
+    """AutoEP's own replacement, on meta: each layer's router and local expert slices are meta copies."""
+    from deepspeed.module_inject.auto_ep import AutoEP
+
+    allow_registry_get_default()
+    with torch.device("meta"):
+        AutoEP(model, autoep_config).replace_moe_layers(specs, ep_size=ep_size, ep_rank=ep_rank)
+
+
+def autoep_layer_class():
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    return AutoEPMoELayer
+
+
+def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """The experts `ep_rank` owns, as `moe.ep_repack._local_expert_range` computes them."""
+    from deepspeed.moe.ep_repack import _local_expert_range
+
+    class _Spec:  # _local_expert_range reads only num_experts
+        pass
+
+    spec = _Spec()
+    spec.num_experts = num_experts
+    return _local_expert_range(spec, ep_rank, ep_size)
+
+
+def fused_gate_up_layout(gate_up_shape: tuple, down_shape: tuple):
+    """DeepSpeed's classification of a fused gate/up expert tensor: `.layout` ('gate_up_first' or other) and
+    `.ffn_hidden_size`, or None."""
+    from deepspeed.moe.fused_expert_layout import classify_fused_gate_up_layout
+
+    return classify_fused_gate_up_layout(tuple(gate_up_shape), tuple(down_shape))
+
+
+_registry_patched = False
+
+
+def allow_registry_get_default() -> None:
+    """transformers 5.23's `_CanRecordRegistry.get(model)` -> also `get(str_key, default)` (what AutoEP calls)."""
+    global _registry_patched
+    if _registry_patched:
+        return
+    from transformers.utils import output_capturing
+
+    registry_class = type(output_capturing._CAN_RECORD_REGISTRY)
+    original = registry_class.get
+
+    @functools.wraps(original)
+    def get(self, key, *default):
+        if isinstance(key, str):
+            return dict.get(self, key, *default)
+        return original(self, key)
+
+    registry_class.get = get
+    _registry_patched = True
+
+
+@contextmanager
+def _no_moe_layers_to_parse():
+    from deepspeed.module_inject.auto_ep import AutoEP
+
+    saved = AutoEP.ep_parser
+    AutoEP.ep_parser = lambda self: []
+    try:
+        yield
+    finally:
+        AutoEP.ep_parser = saved
+
+
+_engine_wrapped = False
+
+
+def let_engine_accept_replaced_layers() -> None:
+    """Wrap `DeepSpeedEngine._configure_expert_parallel` (once): for a model holding AutoEP layers built by this
+    loader, the engine creates its groups and folding spec as usual but does not parse or replace again."""
+    global _engine_wrapped
+    if _engine_wrapped:
+        return
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    original = DeepSpeedEngine._configure_expert_parallel
+
+    @functools.wraps(original)
+    def configure_expert_parallel(self, model, collect_sources=None):
+        ours = [m for m in model.modules() if getattr(m, BUILT_BY_LOADER, False)]
+        if not ours:
+            allow_registry_get_default()  # engine-side AutoEP on a transformers 5.23 model needs it too
+            return original(self, model, collect_sources)
+        config = self._config.expert_parallel_config
+        if config is not None and config.enabled and config.autoep_size != ours[0].ep_size:
+            from .errors import ConfigError
+
+            raise ConfigError(
+                f"the model was loaded with expert parallelism of size {ours[0].ep_size}, but the DeepSpeed config "
+                f"passed to deepspeed.initialize asks for expert_parallel.autoep_size={config.autoep_size}; "
+                "load and initialize with the same size")
+        with _no_moe_layers_to_parse():
+            result = original(self, model, collect_sources)
+        if config is not None and config.enabled:
+            from deepspeed import set_optimizer_flags
+
+            set_optimizer_flags(self._config, model)  # what the engine does after replacing layers itself
+        return result
+
+    DeepSpeedEngine._configure_expert_parallel = configure_expert_parallel
+    _engine_wrapped = True

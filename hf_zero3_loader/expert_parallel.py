@@ -1,0 +1,226 @@
+"""Expert parallelism with ZeRO-3: load straight into DeepSpeed AutoEP's layout, each rank reading its local experts.
+
+Under expert parallelism (EP) each rank owns `num_experts / ep_size` experts of every MoE layer; ZeRO-3 partitions
+those over the rank's expert-data-parallel (EDP) group, every other parameter over the world. DeepSpeed's AutoEP
+builds that layout at `deepspeed.initialize`, after transformers has built (and broadcast) every expert tensor whole,
+by gathering each layer's fused experts on every rank. Here it is built on the meta skeleton instead:
+
+1. `request_from(...)`: the ways users ask for EP (the DeepSpeed config's `expert_parallel` section, `ep_size=`,
+   transformers' `distributed_config=`) become one `ExpertParallelRequest`; `create_groups` makes the EP / EDP
+   groups the way the engine does, on every rank, before anything else runs.
+2. `ExpertParallelLayout.convert(...)`: AutoEP's own detection and replacement run on the meta skeleton, after the
+   planner resolved the checkpoint against transformers' module names. Each new tensor is mapped back to what it is
+   a box of: `experts.w1` = `gate_up_proj[local experts, :ffn]`, `experts.w3` = `gate_up_proj[local experts, ffn:]`,
+   `experts.w2` = `down_proj[local experts]`, the router = transformers' gate. The planner then reads, for each
+   rank, only its partition of those boxes: no fused expert tensor is ever whole anywhere.
+3. `deepspeed.initialize` with the user's unchanged config works: the engine keeps our groups and layers
+   (`_deepspeed_private.let_engine_accept_replaced_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _deepspeed_private as ds_private
+from .errors import ConfigError, LoaderError, UnsupportedConversionError
+from .planner.plan import LoadPlan, PartitionGroup, SourceBox
+
+
+@dataclass(frozen=True)
+class ExpertParallelRequest:
+    ep_size: int
+    autoep_section: dict  # the `expert_parallel` section AutoEP is configured with
+    asked_via: str
+
+
+def _ep_size_from_distributed_config(distributed_config, world_size: int) -> int | None:
+    """transformers' `DistributedConfig` (or its dict): `ep_size`, or the world for the legacy
+    `enable_expert_parallel=True` that transformers 5.23 resolves to `ep_size=tp_size=1, tp_plan={}`."""
+    get = distributed_config.get if isinstance(distributed_config, dict) else (
+        lambda key, default=None: getattr(distributed_config, key, default))
+    tp_size, tp_plan = get("tp_size") or 1, get("tp_plan")
+    if tp_size > 1 and tp_plan:
+        raise ConfigError("tensor parallelism (distributed_config tp_size/tp_plan) cannot be combined with DeepSpeed "
+                          "ZeRO-3 by hf_zero3_loader; use expert parallelism alone (ep_size)")
+    ep_size = get("ep_size")
+    if ep_size and ep_size > 1:
+        return ep_size
+    if get("enable_expert_parallel") or (tp_plan == {} and (ep_size or 1) == 1 and tp_size == 1):
+        return world_size
+    return None
+
+
+def _asked(ds_config: dict, ep_size: int | None, distributed_config, world_size: int) -> list[tuple[str, object]]:
+    """(how, size) for each way EP was asked for."""
+    section = ds_config.get("expert_parallel") or {}
+    asked: list[tuple[str, object]] = []
+    if section.get("enabled"):
+        asked.append(("expert_parallel.autoep_size=", section.get("autoep_size", 1)))
+    if ep_size is not None:
+        asked.append(("ep_size=", ep_size))
+    if distributed_config is not None:
+        size = _ep_size_from_distributed_config(distributed_config, world_size)
+        if size is not None:
+            asked.append(("distributed_config ep_size=", size))
+    return asked
+
+
+def is_requested(ds_config: dict, ep_size: int | None, distributed_config) -> bool:
+    return bool(_asked(ds_config, ep_size, distributed_config, 1))
+
+
+def request_from(ds_config: dict, ep_size: int | None, distributed_config, world_size: int) -> ExpertParallelRequest | None:
+    """Merge the ways of asking for EP; they must agree. None when EP is not asked for."""
+    asked = _asked(ds_config, ep_size, distributed_config, world_size)
+    if not asked:
+        return None
+    for via, size in asked:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+            raise ConfigError(f"{via}{size!r} does not divide the world size {world_size}: expert parallelism needs "
+                              "a positive divisor of the world size")
+    if len({size for _, size in asked}) > 1:
+        raise ConfigError("conflicting expert parallel sizes: " + ", ".join(f"{via}{size}" for via, size in asked))
+    size = asked[0][1]
+    section = {**(ds_config.get("expert_parallel") or {}), "enabled": True, "autoep_size": size}
+    return ExpertParallelRequest(size, section, ", ".join(via.rstrip("=") for via, _ in asked))
+
+
+@dataclass
+class ExpertParallelGroups:
+    ep_size: int
+    ep_rank: int
+    edp_group: object  # torch.distributed ProcessGroup the experts are partitioned over
+    edp_name: str  # the PartitionGroup name of expert parameters
+
+
+def create_groups(request: ExpertParallelRequest, ds_config: dict) -> ExpertParallelGroups:
+    """The EP and EDP groups, created as `deepspeed.initialize` creates them (it then reuses them). A collective
+    over the world: every rank calls it, before the load."""
+    import torch.distributed as dist
+
+    data_before_expert = ds_private.use_data_before_expert_parallel(ds_config)
+    ep_group, edp_group, name = ds_private.expert_parallel_groups(request.ep_size, data_before_expert)
+    return ExpertParallelGroups(request.ep_size, dist.get_rank(group=ep_group), edp_group, f"expert_data_parallel/{name}")
+
+
+def supported_model_types() -> dict[str, str]:
+    """transformers model type -> the AutoEP preset that trains it."""
+    return {t: preset for preset, types in ds_private.autoep_presets().items() for t in types}
+
+
+@dataclass
+class ExpertParallelLayout:
+    """The skeleton's MoE blocks replaced by AutoEP layers, and where every new tensor's bytes come from."""
+
+    groups: ExpertParallelGroups
+    sources: dict[str, SourceBox] = field(default_factory=dict)  # new model name -> box of a resolved tensor
+    expert_params: set[str] = field(default_factory=set)
+    new_buffers: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # AutoEP's own zero buffers
+    layers: list[str] = field(default_factory=list)
+    num_experts: int = 0
+    local_experts: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def convert(cls, model: torch.nn.Module, request: ExpertParallelRequest, groups: ExpertParallelGroups):
+        model_type = getattr(model.config, "model_type", None)
+        families = supported_model_types()
+        if model_type not in families:
+            raise ConfigError(
+                f"expert parallelism under ZeRO-3 needs a DeepSpeed AutoEP preset for the model; model type "
+                f"{model_type!r} has none (deepspeed {ds_private.DEEPSPEED_VERSION_WRITTEN_AGAINST} presets cover: "
+                f"{', '.join(sorted(families))})")
+        autoep_config = ds_private.parse_autoep_section(request.autoep_section)
+        try:
+            specs = ds_private.detect_moe_layers(model, autoep_config)
+        except ValueError as e:
+            raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}") from e
+        if not specs:
+            raise ConfigError(f"DeepSpeed AutoEP found no MoE layer in this {model_type} model")
+        for spec in specs:
+            if spec.num_experts % request.ep_size:
+                sizes = [d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]
+                raise ConfigError(f"{spec.moe_module_name} has {spec.num_experts} experts, which ep_size="
+                                  f"{request.ep_size} does not divide (sizes that do: {sizes})")
+        layout = cls(groups, layers=[s.moe_module_name for s in specs], num_experts=specs[0].num_experts)
+        layout.local_experts = ds_private.local_expert_range(layout.num_experts, request.ep_size, groups.ep_rank)
+        names_before = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+        boxes = {}
+        for spec in specs:
+            boxes.update(layout._boxes_for(model, spec))
+        ds_private.replace_moe_layers(model, autoep_config, specs, request.ep_size, groups.ep_rank)
+        layer_class = ds_private.autoep_layer_class()
+        for name in layout.layers:
+            layer = model.get_submodule(name)
+            if not isinstance(layer, layer_class):
+                raise LoaderError(f"internal error: AutoEP did not replace {name}")
+            setattr(layer, ds_private.BUILT_BY_LOADER, True)
+            layout.expert_params.update(f"{name}.experts.{p}" for p, _ in layer.experts.named_parameters())
+            layout.new_buffers.extend((layer, b) for b, _ in layer.named_buffers(recurse=False))
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if name in boxes:
+                layout.sources[name] = boxes[name]
+            elif names_before.get(id(tensor), name) != name:  # a module AutoEP kept under another name
+                layout.sources[name] = SourceBox(names_before[id(tensor)])
+        ds_private.let_engine_accept_replaced_layers()
+        return layout
+
+    def _boxes_for(self, model: torch.nn.Module, spec) -> dict[str, SourceBox]:
+        """What each AutoEP tensor of one layer is a box of, in transformers' names."""
+        moe = spec.moe_module_name
+        e0, e1 = self.local_experts
+        experts = f"{moe}.{spec.experts_name}"
+        if spec.expert_storage != "fused_3d":
+            raise UnsupportedConversionError(f"{moe}: AutoEP expert storage {spec.expert_storage!r} (per-expert "
+                                             "modules) has no shard-on-read rule; fused 3-D experts are supported")
+        w1 = f"{experts}.{spec.expert_w1_name}"
+        w2 = f"{experts}.{spec.expert_w2_name}"
+        local = (0, e0, e1 - e0)
+        boxes = {f"{moe}.experts.w2": SourceBox(w2, (local,))}
+        if spec.expert_w3_name is None:  # gate and up fused in one tensor
+            gate_up, down = model.get_parameter(w1).shape, model.get_parameter(w2).shape
+            layout = ds_private.fused_gate_up_layout(gate_up, down)
+            if layout is None or layout.layout != "gate_up_first":
+                raise UnsupportedConversionError(f"{moe}: fused expert layout {tuple(gate_up)} / {tuple(down)} has no "
+                                                 "shard-on-read rule for AutoEP ([E, 2*ffn, hidden] is supported)")
+            ffn = layout.ffn_hidden_size
+            boxes[f"{moe}.experts.w1"] = SourceBox(w1, (local, (1, 0, ffn)))
+            boxes[f"{moe}.experts.w3"] = SourceBox(w1, (local, (1, ffn, ffn)))
+        else:
+            boxes[f"{moe}.experts.w1"] = SourceBox(w1, (local,))
+            boxes[f"{moe}.experts.w3"] = SourceBox(f"{experts}.{spec.expert_w3_name}", (local,))
+        router = f"{moe}.{spec.router_name}"
+        boxes[f"{moe}.router.gate.weight"] = SourceBox(f"{router}.weight")
+        if spec.gate_bias:
+            boxes[f"{moe}.router.gate.bias"] = SourceBox(f"{router}.bias")
+        if spec.e_score_correction_bias_path is not None:
+            owner = f"{moe}.{spec.e_score_correction_bias_path}" if spec.e_score_correction_bias_path else moe
+            boxes[f"{moe}.router.e_score_correction_bias"] = SourceBox(f"{owner}.e_score_correction_bias")
+        return boxes
+
+    def group_of(self, world: PartitionGroup, experts: PartitionGroup):
+        return lambda name: experts if name in self.expert_params else world
+
+    def check_loaded(self, plan: LoadPlan) -> None:
+        """Every tensor AutoEP derives from the checkpoint must be in it: a missing expert would be initialised
+        per slice, not as the plain load initialises the fused tensor."""
+        absent = sorted(n for n in self.sources if n in plan.tensors and plan.tensors[n].status != "load")
+        if absent:
+            detail = ", ".join(f"{n} (from {self.sources[n].source}: {plan.tensors[n].status})" for n in absent[:6])
+            raise ConfigError(f"expert parallelism needs every MoE router and expert weight from the checkpoint; "
+                              f"{len(absent)} are not there: {detail}{' ...' if len(absent) > 6 else ''}")
+
+    def materialize_new_buffers(self, device: torch.device) -> None:
+        """AutoEP's own buffers (token counters) are zeros by construction; they are on meta after the replacement."""
+        for module, name in self.new_buffers:
+            buf = module._buffers[name]
+            if buf is not None and buf.is_meta:
+                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+
+    def summary(self, plan: LoadPlan) -> dict:
+        expert_bytes = sum(plan.tensors[n].bytes_to_read for n in self.expert_params if n in plan.tensors)
+        return {"ep_size": self.groups.ep_size, "ep_rank": self.groups.ep_rank,
+                "local_experts": list(range(*self.local_experts)), "num_experts": self.num_experts,
+                "moe_layers": len(self.layers), "expert_bytes_read": expert_bytes,
+                "other_bytes_read": plan.bytes_to_read - expert_bytes}

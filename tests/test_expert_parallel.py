@@ -1,0 +1,198 @@
+"""Expert parallelism with ZeRO-3: each rank's local experts, gathered over their expert-data-parallel group, equal
+the matching slices of the plain single-process load bit for bit; every other parameter and buffer, gathered over
+the world, equals plain; each rank reads only its share; training equals DeepSpeed's own engine-side AutoEP.
+
+Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 4, with ep_size equal to the world
+and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+import pytest
+import torch
+
+from tests.checkpoints import EP_FAMILIES, ep_config, make_checkpoint
+from tests.conftest import run_torchrun
+from tests.dist_worker import ds_config_for
+
+# DeepSpeed's grouped GEMM on CPU needs 16-byte strides, which these odd sizes do not have: its loop runs instead
+EP_SECTION = {"enabled": True, "use_grouped_mm": False}
+
+
+def ep_ds_config(ep_size: int, dtype: str = "bfloat16") -> dict:
+    return ds_config_for(dtype, {"expert_parallel": {**EP_SECTION, "autoep_size": ep_size}})
+
+
+def checkpoint(workdir: str, family: str) -> str:
+    return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family))
+
+
+# world size -> [(family, ep_size, engine dtype)]
+RUNS = {
+    2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32")],
+    3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16")],
+    4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
+        ("minimax_m3_vl_text", 2, "bfloat16")],
+}
+
+_dumps: dict = {}
+
+
+def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
+    if world_size not in _dumps:
+        cases = [{"name": f"{family}/ep{ep}/{dtype}", "family": family, "ep_size": ep, "path": checkpoint(workdir, family),
+                  "dtype": dtype, "ds_config": ep_ds_config(ep, dtype), "all_ranks_state": True,
+                  "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}.pt")}
+                 for family, ep, dtype in RUNS[world_size]]
+        _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
+    return _dumps[world_size]
+
+
+@functools.lru_cache(maxsize=None)
+def plain_load(path: str, dtype: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@functools.lru_cache(maxsize=None)
+def buffer_names(path: str) -> frozenset:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return frozenset(n for n, _ in model.named_buffers())
+
+
+def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[str, torch.Tensor]:
+    """What AutoEP's tensor `name` must hold on this EP rank, written from AutoEP's documented layout (not from the
+    loader's mapping): w1/w3 = gate/up halves of gate_up_proj for the local experts, w2 = down_proj, router = gate."""
+    if m := re.fullmatch(r"(.*)\.experts\.(w1|w2|w3)", name):
+        moe, which = m.groups()
+        gate_up, down = plain[f"{moe}.experts.gate_up_proj"], plain[f"{moe}.experts.down_proj"]
+        per_rank = gate_up.shape[0] // ep_size
+        local = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        ffn = gate_up.shape[1] // 2
+        source = f"{moe}.experts.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
+        return source, {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
+    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):
+        source = f"{m[1]}.gate.{m[2]}"
+    elif m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):
+        source = f"{m[1]}.gate.e_score_correction_bias"
+    elif name not in plain and ".shared_experts" in name:  # Qwen's shared_expert(_gate), renamed by AutoEP
+        source = name.replace(".shared_experts", ".shared_expert")
+    else:
+        source = name
+    return source, plain[source]
+
+
+@pytest.mark.parametrize("world_size", sorted(RUNS))
+def test_local_experts_and_everything_else_equal_the_plain_load(workdir, world_size):
+    for case, dump in dumps(workdir, world_size):
+        plain = plain_load(case["path"], case["dtype"])
+        covered, experts_seen = set(), set()
+        for r in dump["ranks"]:
+            assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
+            ep_rank, ep = r["rank"] % case["ep_size"], case["ep_size"]  # EP groups are consecutive ranks
+            report = r["report"]["expert_parallel"]
+            num = report["num_experts"]
+            assert report["ep_rank"] == ep_rank and report["ep_size"] == ep, case["name"]
+            assert report["local_experts"] == list(range(ep_rank * num // ep, (ep_rank + 1) * num // ep))
+            experts_seen.update(report["local_experts"])
+            assert r["report"]["init_context"] == "ep-meta"
+            for name, actual in r["state"].items():
+                if name.endswith(".tokens_per_expert"):  # AutoEP's own token counter: zeros, as it builds it
+                    assert not actual.any(), name
+                    continue
+                source, want = expected(name, plain, ep_rank, ep)
+                covered.add(source)
+                assert actual.dtype == want.dtype and actual.shape == want.shape, f"{case['name']} {name} rank {r['rank']}"
+                assert torch.equal(actual, want), f"{case['name']} {name}: values differ on rank {r['rank']}"
+            assert any(".experts.w1" in n for n in r["state"]), f"{case['name']}: no AutoEP layer on rank {r['rank']}"
+        assert covered == set(plain), f"{case['name']}: plain tensors not covered: {set(plain) - covered}"
+        assert experts_seen == set(range(num)), case["name"]
+
+
+@pytest.mark.parametrize("world_size", sorted(RUNS))
+def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_partition(workdir, world_size):
+    from hf_zero3_loader.checkpoint import open_checkpoint
+
+    for case, dump in dumps(workdir, world_size):
+        ranks = dump["ranks"]
+        files = sorted(os.path.join(case["path"], f) for f in os.listdir(case["path"]) if f.endswith(".safetensors"))
+        checkpoint_ = open_checkpoint(files)
+        total = checkpoint_.nbytes
+        read = [r["report"]["bytes_read"] for r in ranks]
+        # every parameter byte is read by exactly one rank (the experts of an EP rank are split over its EDP group);
+        # persistent buffers (DeepSeek-V3's e_score_correction_bias) are whole on every rank
+        buffers = sum(e.nbytes for k, e in checkpoint_.entries.items() if k in buffer_names(case["path"]))
+        assert sum(read) == total + (world_size - 1) * buffers, f"{case['name']}: ranks read {read}, checkpoint {total}"
+        slack = len(checkpoint_.entries) * 4 * case["ep_size"]
+        assert max(read) <= total / world_size + slack, f"{case['name']}: {read} vs {total}/{world_size}"
+        for r in ranks:
+            ep = r["report"]["expert_parallel"]
+            assert ep["expert_bytes_read"] + ep["other_bytes_read"] == r["report"]["bytes_read"]
+            assert r["collectives"] == {}, f"{case['name']}: {r['collectives']}"
+            assert 0 < r["largest_allocation_numel"] <= r["report"]["largest_partition_numel"], (
+                f"{case['name']}: rank {r['rank']} allocated {r['largest_allocation_numel']} elements, its largest "
+                f"partition is {r['report']['largest_partition_numel']}")
+
+
+def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[dict]:
+    path = checkpoint(workdir, family)
+    return [{"name": f"train/{family}/{variant}", "path": path, "dtype": "bfloat16", "ds_config": ep_ds_config(ep),
+             "upstream": variant == "engine-side AutoEP", "train_steps": 3,
+             "checkpoint_roundtrip": variant == "ours", "kwargs": {"experts_implementation": "eager"},
+             "out": os.path.join(workdir, f"ep_train_w{world_size}_{family}_{variant.split()[0]}.pt")}
+            for variant in ("ours", "engine-side AutoEP")]
+
+
+@pytest.mark.parametrize("world_size,family,ep", [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2)])
+def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, world_size, family, ep):
+    ours, engine_side = run_torchrun(world_size, _train_cases(workdir, family, ep, world_size), workdir)
+    for dump in (ours, engine_side):
+        assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
+    assert ours["rank0"]["losses"] == engine_side["rank0"]["losses"]
+    assert len(ours["rank0"]["losses"]) == 3
+    roundtrip = ours["rank0"]["checkpoint"]
+    assert roundtrip["next_loss"] == roundtrip["next_loss_after_load"]
+    # deepspeed.initialize: DeepSpeed gathers every parameter of an already-partitioned model once (its output and
+    # input buffers are counted: at most 2x the parameter). Ours holds local experts only, so nothing larger than
+    # the largest parameter of the EP model is gathered; engine-side AutoEP gathers each layer's whole fused
+    # experts on every rank, and more bytes in all.
+    largest_param = max(t.numel() * t.element_size() for t in ours["rank0"]["state"].values())
+    plain = plain_load(checkpoint(workdir, family), "bfloat16")
+    fused = max(t.numel() * t.element_size() for n, t in plain.items() if n.endswith("gate_up_proj"))
+    for r, e in zip(ours["ranks"], engine_side["ranks"]):
+        mine, theirs = r["init_collectives"], e["init_collectives"]
+        assert max(mine["largest"].values()) <= 2 * largest_param, mine
+        assert max(theirs["largest"].values()) >= fused > max(
+            v for k, v in mine["largest"].items() if "all_gather" in k) / 2, (mine, theirs)
+        assert sum(mine["bytes"].values()) < sum(theirs["bytes"].values()), (mine, theirs)
+
+
+def test_every_way_of_asking_gives_the_same_load(workdir):
+    path = checkpoint(workdir, "qwen3_moe")
+    base = ds_config_for("bfloat16")
+    ways = {
+        "ds_config": {"ds_config": ep_ds_config(2)},
+        "ep_size": {"ds_config": base, "kwargs": {"ep_size": 2}},
+        "distributed_config ep_size": {"ds_config": base, "kwargs": {"distributed_config": {"ep_size": 2, "fsdp_size": 2}}},
+        "distributed_config enable_expert_parallel": {
+            "ds_config": base, "kwargs": {"distributed_config": {"enable_expert_parallel": True}}},
+    }
+    cases = [{"name": name, "path": path, "dtype": "bfloat16", "all_ranks_state": True,
+              "out": os.path.join(workdir, f"ep_way_{i}.pt"), **way} for i, (name, way) in enumerate(ways.items())]
+    dumps_ = run_torchrun(2, cases, workdir)
+    first = dumps_[0]["ranks"]
+    for case, dump in zip(cases, dumps_):
+        for r, ref in zip(dump["ranks"], first):
+            assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
+            assert r["report"]["expert_parallel"]["ep_size"] == 2, case["name"]
+            assert set(r["state"]) == set(ref["state"]), case["name"]
+            assert all(torch.equal(r["state"][n], ref["state"][n]) for n in ref["state"]), case["name"]
