@@ -75,10 +75,13 @@ def read_mib(r: dict) -> float:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| variant | rank | load s | peak RSS growth MiB | collective MiB | read MiB |",
-            "|---|---|---|---|---|---|"]
+    device = any(r.get("device_peak_growth") is not None for r in results)
+    rows = ["| variant | rank | load s | peak RSS growth MiB |" + (" device peak MiB |" if device else "") +
+            " collective MiB | read MiB |",
+            "|---|---|---|---|" + ("---|" if device else "") + "---|---|"]
     for r in results:
         coll = "-" if r["variant"] == "floor" else f"{r['collective_bytes'] / MiB:.1f}"
-        rows.append(f"| {r['variant']} | {r['rank']} | {r['seconds']:.3f} | {r['rss_growth'] / MiB:.1f} | {coll} | "
+        dev = (f" {r['device_peak_growth'] / MiB:.1f} |" if r.get("device_peak_growth") is not None else " - |") if device else ""
+        rows.append(f"| {r['variant']} | {r['rank']} | {r['seconds']:.3f} | {r['rss_growth'] / MiB:.1f} |{dev} {coll} | "
                     f"{read_mib(r):.1f} |")
     return "\n".join(rows)

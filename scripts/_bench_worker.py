@@ -295,7 +295,10 @@ def main() -> None:
 
     import hf_zero3_loader  # noqa: F401
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    on_gpu = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank, world = dist.get_rank(), dist.get_world_size()
     keep_alive = None
     if args.variant == "upstream":
@@ -314,6 +317,10 @@ def main() -> None:
     dist.barrier()
     counter, st_bytes = CollectiveCounter(), SafetensorsBytes()
     io0 = io_counters()
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        device_base = torch.cuda.memory_allocated()
     with RssSampler() as rss:
         start = time.perf_counter()
         if args.variant == "floor":
@@ -338,6 +345,8 @@ def main() -> None:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result.update({
         "seconds": seconds,
+        # accelerator memory: peak allocated during the window over what was allocated before it
+        "device_peak_growth": (torch.cuda.max_memory_allocated() - device_base) if on_gpu else None,
         "rss_base": rss.base["rss"],
         "rss_growth": rss.growth()["rss"],
         "rss_growth_anon": rss.growth()["anon"],

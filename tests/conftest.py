@@ -15,13 +15,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def python_path() -> str:
+    """The repo first, then whatever PYTHONPATH the suite runs with (e.g. packages carried to a GPU machine)."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: float = 540) -> list[dict]:
+def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: float = 540, env: dict | None = None) -> list[dict]:
     """Run the cases in one real torchrun job of `world_size` processes; return rank 0's dumps, in order."""
     cases_file = os.path.join(workdir, f"cases_w{world_size}_{abs(hash(json.dumps(cases)))}.json")
     with open(cases_file, "w") as f:
@@ -29,7 +34,7 @@ def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: floa
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            os.path.join(ROOT, "tests", "dist_worker.py"), cases_file]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -53,7 +58,7 @@ def run_ranks(world_size: int, cases: list[dict], workdir: str, timeout: float =
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
+        env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "dist_worker.py"), cases_file],

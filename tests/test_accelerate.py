@@ -10,7 +10,7 @@ import sys
 import torch
 
 from tests.checkpoints import make_checkpoint
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, python_path
 
 
 def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
@@ -25,7 +25,7 @@ def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
            "--deepspeed_config_file", config, "--main_process_port", str(free_port()),
            os.path.join(ROOT, "tests", "accelerate_script.py"), path, out]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     got = torch.load(out, weights_only=False)
     assert got["report"]["init_context"] == "zero3-meta"
@@ -33,6 +33,34 @@ def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
     plain = AutoModelForCausalLM.from_pretrained(path)
     for name, p in plain.named_parameters():
         assert torch.equal(got["state"][name], p.detach()), name
+
+
+def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdir):
+    """The DeepSpeed config file accelerate users have, with `expert_parallel`: the load builds the EP layout,
+    Accelerator.prepare (deepspeed.initialize with the same file) accepts it, and AdamW steps run."""
+    from tests.checkpoints import ep_config
+
+    path = make_checkpoint(os.path.join(workdir, "ep_qwen3_moe"), "qwen3_moe", config=ep_config("qwen3_moe"))
+    config = os.path.join(workdir, "ds_zero3_ep.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": 3},
+                   "expert_parallel": {"enabled": True, "autoep_size": 2, "use_grouped_mm": False}}, f)
+    out = os.path.join(workdir, "accelerate_ep.pt")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+           "--deepspeed_config_file", config, "--main_process_port", str(free_port()),
+           os.path.join(ROOT, "tests", "accelerate_ep_script.py"), path, out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = torch.load(out, weights_only=False)
+    for rank, got in enumerate(ranks):
+        assert got["report"]["init_context"] == "ep-meta", got["report"]
+        assert got["report"]["expert_parallel"]["ep_rank"] == rank
+        assert got["report"]["expert_parallel"]["local_experts"] == [[0, 1, 2], [3, 4, 5]][rank]
+        assert all(torch.isfinite(torch.tensor(got["losses"])))
+    # the same batch on both ranks: the same loss, up to the order in which each rank's experts see the tokens
+    assert torch.allclose(torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[1]["losses"]), rtol=1e-5)
 
 
 def test_without_zero3_the_hook_leaves_from_pretrained_alone(workdir):

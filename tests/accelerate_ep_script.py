@@ -1,0 +1,35 @@
+"""A user's fine-tuning script under `accelerate launch --use_deepspeed` with `expert_parallel` in its DeepSpeed config
+file, unchanged but for one import: from_pretrained, Accelerator.prepare (deepspeed.initialize), two AdamW steps."""
+
+import os
+import sys
+
+import hf_zero3_loader.auto  # noqa: F401  (the only line a user adds)
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+
+path, out = sys.argv[1], sys.argv[2]
+accelerator = Accelerator()
+model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+report = model.hf_zero3_load_report.summary()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = accelerator.prepare(model, optimizer)
+g = torch.Generator().manual_seed(0)
+losses = []
+for _ in range(2):
+    ids = torch.randint(0, 101, (1, 12), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+every = [None] * dist.get_world_size()
+dist.all_gather_object(every, {"report": report, "losses": losses})
+if dist.get_rank() == 0:
+    torch.save(every, out)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
