@@ -14,6 +14,7 @@ from tests.dist_worker import ds_config_for
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 NCCL = {"HF_ZERO3_TEST_BACKEND": "nccl"}
+TORCH_ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}  # no JIT-built fused Adam
 
 
 def _plain(path: str, dtype: torch.dtype) -> dict:
@@ -49,7 +50,7 @@ def test_gpu_expert_parallel_trains_like_engine_side_autoep(workdir):
                              num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                              num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
     path = make_checkpoint(os.path.join(workdir, "gpu_ep_qwen3_moe"), "qwen3_moe", config=config_)
-    config = ds_config_for("bfloat16", {"expert_parallel": {"enabled": True, "autoep_size": 1}})
+    config = ds_config_for("bfloat16", {"expert_parallel": {"enabled": True, "autoep_size": 1}, **TORCH_ADAM})
     cases = [{"name": variant, "path": path, "dtype": "bfloat16", "ds_config": config, "upstream": variant == "engine",
               "train_steps": 3, "out": os.path.join(workdir, f"gpu_ep_{variant}.pt")} for variant in ("ours", "engine")]
     ours, engine = run_torchrun(1, cases, workdir, env=NCCL)
