@@ -1,14 +1,24 @@
-"""Failure agreement: an error on any rank becomes the same error on every rank, fast.
+"""Failure agreement and liveness: an error on any rank becomes the same error on every rank, and a dead or stopped
+rank is noticed within seconds while a slow but live one is waited for.
 
-Ranks meet at a few agreement points (after planning and reading, before any DeepSpeed collective, and at the
-end), through the process group's key-value store rather than a collective: each rank counts itself in, a
-failing rank records its error (the first one wins), the last rank in opens the gate. Every rank then raises
-the first failing rank's exception type and message, prefixed with that rank. Waiting is bounded by
-`timeout_s`, so a rank that died instead of raising makes the others fail, not hang. Points are numbered, not
-named: a rank that fails early and one that reaches a later point still meet, as in a collective.
+Ranks meet at agreement points through the process group's key-value store (no collective, no process group of
+its own): each rank counts itself in, a failing rank records its error (the first one wins), the last rank in opens
+the gate, and every rank raises the first failing rank's exception type and message, prefixed with that rank.
+Values ranks must share (the checkpoint's fingerprint) are compared at a point the same way: the first rank's value
+is the reference, a rank whose value differs records the difference as the error.
 
-The store is torch's default c10d store (`distributed_c10d._get_default_store`, private, torch 2.13): it needs no
-process group of its own (creating one costs ~0.5 s) and works the same under gloo and NCCL.
+Liveness, not skew: while a load runs, every rank's `_Heartbeat` thread writes its alive counter to the store every
+second. Rank 0's thread watches every rank, the others watch rank 0; a rank whose counter stops for
+`liveness_timeout_s` (a killed or SIGSTOPped process) gets a verdict that every waiting rank raises. A peer that has
+not started this load yet is waited for up to `join_timeout_s`. Loads are numbered per process and every rank starts
+one at the same place, so a failed load cannot pair with a retry; a peer in an earlier load is "not started yet".
+
+Collectives of ours (missing-key init, the tied-weights check) run inside `collective_section`: entered only after
+an agreement point (no rank enters a collective another rank will never join), with the process groups' timeout
+lowered to the liveness bound, so a peer that stops inside one fails the section instead of hanging it.
+
+Private torch API (torch 2.13): `distributed_c10d._get_default_store` and `distributed_c10d._set_pg_timeout`
+(plus the gloo backend's `options._timeout`, to restore it).
 """
 
 from __future__ import annotations
@@ -17,13 +27,22 @@ import builtins
 import datetime
 import itertools
 import json
+import math
 import os
+import threading
+import time
+from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 from . import errors
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("HF_ZERO3_LOADER_TIMEOUT", "300"))
+DEFAULT_JOIN_TIMEOUT_S = 300.0
+DEFAULT_LIVENESS_TIMEOUT_S = 30.0
+JOIN_ENV = "HF_ZERO3_LOADER_TIMEOUT"
+LIVENESS_ENV = "HF_ZERO3_LOADER_LIVENESS_TIMEOUT"
+_ALIVE = "hf_zero3_loader/alive"
 
 
 class AgreedFailure(Exception):
@@ -53,45 +72,216 @@ def _lookup(module: str, qualname: str) -> type:
     return exc_type
 
 
-_loads = itertools.count()  # every rank starts its loads in the same order, so the numbers agree
+def _agreed(exc_type: type, message: str, cause: BaseException | None = None) -> BaseException:
+    try:
+        agreed = _agreed_type(exc_type)(message)
+    except Exception:  # a type whose constructor wants more than a message
+        agreed = _agreed_type(errors.DistributedLoadError)(f"{exc_type.__name__}: {message}")
+    agreed.__cause__ = cause
+    return agreed
+
+
+def resolve_timeout(value, env: str, default: float, what: str) -> float:
+    """A timeout in seconds: the argument, else the environment variable (read now, not at import), else the
+    default. Must be a positive number (`float('inf')`: wait forever); anything else is a ConfigError."""
+    source = f"{what}={value!r}"
+    if value is None:
+        raw = os.environ.get(env)
+        if raw is None:
+            return default
+        source = f"{env}={raw!r}"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise errors.ConfigError(f"{source} is not a number of seconds") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise errors.ConfigError(f"{source}: a timeout must be a positive number of seconds (float('inf') waits "
+                                 "forever)")
+    return float(value)
+
+
+class _Heartbeat(threading.Thread):
+    """Writes this rank's alive counter; rank 0 watches every rank, the others watch rank 0; a verdict is written
+    to the store when a watched rank is silent too long or never starts this load."""
+
+    def __init__(self, agreement: "Agreement"):
+        super().__init__(name="hf_zero3_loader-heartbeat", daemon=True)
+        self.a = agreement
+        self.period = min(1.0, agreement.liveness_s / 5)
+        self.stopped = threading.Event()
+        self.started_at = time.monotonic()
+        self.seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it last changed)
+
+    def run(self):
+        a, seq = self.a, 0
+        watched = [r for r in range(a.world_size) if r != a.rank] if a.rank == 0 else [0]
+        while not self.stopped.is_set():
+            try:
+                a.store.set(f"{_ALIVE}/{a.rank}", f"{a.load_no}:{seq}")
+                seq += 1
+                verdict = self._watch(watched)
+                if verdict:
+                    a.store.compare_set(f"{a.prefix}/verdict", "", verdict)
+            except Exception:  # the store went away: the waiting side reports it
+                pass
+            self.stopped.wait(self.period)
+
+    def _watch(self, ranks: list[int]) -> str | None:
+        a, now = self.a, time.monotonic()
+        for r in ranks:
+            key = f"{_ALIVE}/{r}"
+            value = a.store.get(key).decode() if a.store.check([key]) else None
+            load_no = int(value.split(":")[0]) if value else -1
+            if load_no < a.load_no:  # has not started this load yet
+                if now - self.started_at > a.join_timeout_s:
+                    return f"rank {r} did not start this load within {a.join_timeout_s:.0f}s"
+                continue
+            last = self.seen.get(r)
+            if last is None or last[0] != value:
+                self.seen[r] = (value, now)
+            elif load_no == a.load_no and now - last[1] > a.liveness_s:
+                return f"rank {r} stopped answering (no sign of life for {a.liveness_s:.0f}s)"
+        return None
+
+
+_loads = itertools.count()  # every rank starts its loads at the same place, so the numbers agree
 
 
 class Agreement:
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, join_timeout_s: float | None = None, liveness_timeout_s: float | None = None):
         from torch.distributed.distributed_c10d import _get_default_store
 
+        self.join_timeout_s = resolve_timeout(join_timeout_s, JOIN_ENV, DEFAULT_JOIN_TIMEOUT_S, "agreement_timeout_s")
+        self.liveness_s = resolve_timeout(liveness_timeout_s, LIVENESS_ENV, DEFAULT_LIVENESS_TIMEOUT_S,
+                                          "liveness_timeout_s")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.timeout_s = timeout_s
         self.store = _get_default_store()
-        self.prefix = f"hf_zero3_loader/load{next(_loads)}"
+        self.load_no = next(_loads)
+        self.prefix = f"hf_zero3_loader/load{self.load_no}"
         self.points = itertools.count()
+        self._heartbeat = _Heartbeat(self) if self.world_size > 1 else None
+        if self._heartbeat is not None:
+            self._heartbeat.start()
 
-    def check(self, phase: str, error: BaseException | None = None) -> None:
-        """Every rank calls this at the same points; raise on every rank if `error` is set on any rank."""
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stopped.set()
+
+    def _lost(self, phase: str, detail: str, cause=None) -> BaseException:
+        return _agreed(errors.DistributedLoadError, f"{detail} during '{phase}'", cause)
+
+    def _wait(self, key: str, phase: str) -> None:
+        """Until `key` exists; a verdict (dead or absent peer) or a lost store raises instead."""
+        delay = 0.002
+        while True:
+            if self.store.check([key]):
+                return
+            if self.store.check([f"{self.prefix}/verdict"]):
+                raise self._lost(phase, self.store.get(f"{self.prefix}/verdict").decode())
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def check(self, phase: str, error: BaseException | None = None, same: dict | None = None) -> None:
+        """Every rank calls this at the same points; raise on every rank if `error` is set on any rank, or if
+        `same` (label -> value) differs from the first rank's."""
         if isinstance(error, AgreedFailure):
             raise error
         key = f"{self.prefix}/point{next(self.points)}"
         try:
+            if error is None and same is not None:
+                error = self._compare(key, same)
             if error is not None:
                 payload = json.dumps([self.rank, type(error).__module__, type(error).__qualname__, str(error)])
                 self.store.compare_set(f"{key}/error", "", payload)  # the first failure wins
             if self.store.add(f"{key}/arrived", 1) == self.world_size:
                 self.store.set(f"{key}/done", "1")
-            self.store.wait([f"{key}/done"], datetime.timedelta(seconds=self.timeout_s))
+            self._wait(f"{key}/done", phase)
             failed = self.store.check([f"{key}/error"])
             first = json.loads(self.store.get(f"{key}/error")) if failed else None
-        except Exception as e:  # a peer died or hung: bounded by the timeout
-            raise _agreed_type(errors.DistributedLoadError)(
-                f"rank {self.rank}: another rank stopped answering during '{phase}' "
-                f"(no reply within {self.timeout_s:.0f}s or the store was lost): {e}"
-            ) from error
+        except AgreedFailure:
+            raise
+        except Exception as e:  # the store is gone: the rank hosting it died
+            raise self._lost(phase, f"the process group's store stopped answering ({e})", error) from error
         if first is None:
             return
         rank, module, qualname, message = first
-        text = f"[rank {rank}] {message}"
+        raise _agreed(_lookup(module, qualname), f"[rank {rank}] {message}", error)
+
+    def _compare(self, key: str, same: dict) -> BaseException | None:
+        mine = {"rank": self.rank, "values": same}
+        stored = self.store.compare_set(f"{key}/reference", "", json.dumps(mine)).decode()
+        reference = json.loads(stored)
+        if reference["rank"] == self.rank:
+            return None
+        theirs = reference["values"]
+        for label in list(theirs) + [k for k in same if k not in theirs]:
+            if theirs.get(label) != same.get(label):
+                return errors.CheckpointError(
+                    f"ranks {reference['rank']} and {self.rank} are not loading the same checkpoint: "
+                    f"{label} differs ({_short(theirs.get(label))} on rank {reference['rank']}, "
+                    f"{_short(same.get(label))} on rank {self.rank}); give every rank the same copy")
+        return None
+
+    @contextmanager
+    def collective_section(self, phase: str, groups=()):
+        """Agree first, then run collectives with the groups' timeout lowered to the liveness bound; a failure
+        inside (a peer that died or stopped) becomes the same DistributedLoadError on every surviving rank."""
+        self.check(f"before {phase}")
+        if self.world_size == 1:
+            yield
+            return
+        restore = _lower_timeouts([None, *groups], self.liveness_s + 5)
         try:
-            agreed = _agreed_type(_lookup(module, qualname))(text)
-        except Exception:  # a type whose constructor wants more than a message
-            agreed = _agreed_type(errors.DistributedLoadError)(f"[rank {rank}] {qualname}: {message}")
-        raise agreed from error
+            yield
+        except AgreedFailure:
+            raise
+        except Exception as e:
+            verdict = self._await_verdict(2 * self.liveness_s + 5)
+            raise self._lost(phase, verdict or f"a collective failed on rank {self.rank} ({type(e).__name__}: {e})",
+                             e) from e
+        finally:
+            restore()
+
+    def _await_verdict(self, seconds: float) -> str | None:
+        """After a failed collective: which rank died or stopped, as the watchers see it."""
+        deadline = time.monotonic() + seconds
+        key = f"{self.prefix}/verdict"
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([key]):
+                    return self.store.get(key).decode()
+            except Exception:
+                return "the process group's store stopped answering"
+            time.sleep(0.2)
+        return None
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _lower_timeouts(groups, seconds: float):
+    """Set each process group's collective timeout to `seconds`; return a function restoring the old ones."""
+    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
+
+    saved = []
+    for group in groups:
+        pg = group if group is not None else _get_default_group()
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+            old = backend.options._timeout
+        except Exception:  # NCCL / unknown backends: leave them to their own watchdog
+            continue
+        saved.append((pg, old))
+        _set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
+
+    def restore():
+        for pg, old in saved:
+            try:
+                _set_pg_timeout(old, pg)
+            except Exception:
+                pass
+
+    return restore

@@ -7,11 +7,13 @@ the ranges the plan asks for.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,6 +62,20 @@ class TensorEntry:
         return self.numel * self.itemsize
 
 
+@dataclass(frozen=True)
+class FileIdentity:
+    """Which file a path named when its header was read: a file replaced or rewritten since then differs."""
+
+    size: int
+    device: int
+    inode: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
 @dataclass
 class Checkpoint:
     """All tensors of a checkpoint, by key, plus how many header bytes were read to learn them."""
@@ -68,55 +84,155 @@ class Checkpoint:
     entries: dict[str, TensorEntry]
     header_bytes: int
     metadata: dict[str, str]
+    identities: dict[str, FileIdentity] = field(default_factory=dict)
+    # per file: what ranks compare to prove they load the same copy (size, header digest, sampled-data digest)
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    sampled_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
 
-def read_safetensors_header(path: str) -> tuple[dict, int]:
-    """Return (header dict, offset of the data section). Validates size and offsets against the file."""
+SAMPLE_BLOCKS, SAMPLE_BYTES = 8, 4096  # data read per file to compare copies across ranks
+
+
+def _sample_digest(fd: int, start: int, end: int) -> tuple[str, int]:
+    """sha256 of up to SAMPLE_BLOCKS blocks of SAMPLE_BYTES spread evenly over [start, end) (the first and last
+    included): copies that differ in values, not just in layout, differ here."""
+    digest, read = hashlib.sha256(), 0
+    span = end - start
+    if span <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+        offsets = [start] if span else []
+        sizes = [span]
+    else:
+        step = (span - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1)
+        offsets = [start + i * step for i in range(SAMPLE_BLOCKS)]
+        sizes = [SAMPLE_BYTES] * SAMPLE_BLOCKS
+    for offset, size in zip(offsets, sizes):
+        block = os.pread(fd, size, offset)
+        digest.update(block)
+        read += len(block)
+    return digest.hexdigest(), read
+
+
+def _refuse_duplicates(path: str):
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise CheckpointError(f"{path}: safetensors header names tensor {key!r} twice")
+            seen.add(key)
+        return dict(pairs)
+
+    return hook
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_header(path: str, raw: bytes) -> dict:
+    """The header JSON, held to the safetensors format's own rules (what `safetensors` itself refuses)."""
     try:
-        file_size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) != 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-                raise CheckpointError(
-                    f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {file_size})"
-                )
-            raw = f.read(header_len)
+        text = raw.decode("utf-8")  # strict: safetensors refuses UTF-16 and invalid UTF-8
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not UTF-8: {e})") from e
+    try:
+        header = json.loads(text, object_pairs_hook=_refuse_duplicates(path))
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupt safetensors header (JSON nested deeper than a header can be)") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: safetensors __metadata__ must map strings to strings, got {_short(metadata)}")
+    return header
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """Return (header dict, offset of the data section), validated against the file and the format's rules."""
+    header, data_start, _, _ = _read_header(path)
+    return header, data_start
+
+
+def _read_header(path: str) -> tuple[dict, int, FileIdentity, str]:
+    """(header, data start, the file's identity, its fingerprint), from one open descriptor."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint file not found: {path}") from e
+    except OSError as e:
+        raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from e
     try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
-    data_start = 8 + header_len
-    data_size = file_size - data_start
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"checkpoint file {path} is not a regular file")
+        file_size = st.st_size
+        raw_len = os.pread(fd, 8, 0)
+        if len(raw_len) != 8:
+            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {file_size})"
+            )
+        raw = os.pread(fd, header_len, 8)
+        header = _parse_header(path, raw)
+        data_start = 8 + header_len
+        _check_entries(path, header, file_size - data_start, file_size, data_start)
+        sample, _ = _sample_digest(fd, data_start, file_size)
+        fingerprint = f"size {file_size}, header {hashlib.sha256(raw).hexdigest()[:16]}, data {sample[:16]}"
+        return header, data_start, FileIdentity.of(st), fingerprint
+    finally:
+        os.close(fd)
+
+
+def _check_entries(path: str, header: dict, data_size: int, file_size: int, data_start: int) -> None:
+    """Every tensor entry well formed; the byte ranges, sorted, tile the data section exactly (no overlap, no gap,
+    no trailing bytes), as safetensors requires."""
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        try:
-            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {key!r}") from e
+        where = f"{path}: tensor {key!r}"
+        if not isinstance(info, dict):
+            raise CheckpointError(f"{where}: corrupt header entry (not a JSON object)")
+        dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype_name, str):
+            raise CheckpointError(f"{where}: corrupt header entry (dtype {_short(dtype_name)})")
         if dtype_name not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {dtype_name}")
+            raise CheckpointError(f"{where} has unsupported dtype {dtype_name}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CheckpointError(f"{where}: corrupt header entry (shape {_short(shape)} is not a list of sizes)")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError(f"{where}: corrupt header entry (data_offsets {_short(offsets)})")
+        begin, end = offsets
         itemsize = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype_name]).element_size()
-        if any((not isinstance(d, int)) or d < 0 for d in shape) or not (0 <= begin <= end):
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {key!r}")
         if end - begin != math.prod(shape) * itemsize:
-            raise CheckpointError(f"{path}: tensor {key!r} byte range does not match its shape {shape}")
+            raise CheckpointError(f"{where}: byte range does not match its shape {shape}")
         if end > data_size:
-            raise CheckpointError(
-                f"{path}: truncated file: tensor {key!r} ends at byte {data_start + end}, file has {file_size}"
-            )
-    return header, data_start
+            raise CheckpointError(f"{path}: truncated file: tensor {key!r} ends at byte {data_start + end}, "
+                                  f"file has {file_size}")
+        spans.append((begin, end, key))
+    expected, previous = 0, None
+    for begin, end, key in sorted(spans):
+        if begin != expected:
+            what = f"overlaps tensor {previous!r}" if begin < expected else f"leaves a gap after {previous!r}"
+            raise CheckpointError(f"{path}: tensor {key!r} data_offsets [{begin}, {end}] {what} "
+                                  "(safetensors requires the tensors to tile the data section)")
+        expected, previous = end, key
+    if expected != data_size:
+        raise CheckpointError(f"{path}: {data_size - expected} bytes after the last tensor: not a complete "
+                              "safetensors file")
 
 
 def _inside(folder: str, path: str) -> bool:
@@ -130,19 +246,27 @@ def check_files(folder: str | None, files: list[str]) -> None:
     for path in files:
         if folder is not None and not _inside(folder, path):
             raise CheckpointError(f"checkpoint file {path} is outside the checkpoint folder {folder}; refusing to read it")
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise CheckpointError(f"checkpoint file not found: {path} (a missing or partly downloaded shard?)")
+        if not os.path.isfile(path):
+            kind = "a directory" if os.path.isdir(path) else "not a regular file (a FIFO, socket or device?)"
+            raise CheckpointError(f"checkpoint file {path} is {kind}")
 
 
 def _open_pickled(path: str, weights_only: bool) -> dict[str, TensorEntry]:
-    """A pickled (.bin) checkpoint: memory-mapped, and only with `weights_only` semantics unless trusted."""
+    """A pickled (.bin) checkpoint, loaded as transformers loads it: memory-mapped when it is torch's zip format,
+    read whole when it is the legacy format (which cannot be mapped), and with `weights_only` unless trusted."""
+    import zipfile
+
     try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        mapped = zipfile.is_zipfile(path)
+        state = torch.load(path, map_location="cpu", mmap=mapped, weights_only=weights_only)
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint file not found: {path}") from e
     except Exception as e:
+        unsafe = weights_only and ("Weights only load failed" in str(e) or "weights_only" in str(e))
         hint = (" It may execute code when unpickled; pass `weights_only=False` only if you trust its source."
-                if weights_only else "")
+                if unsafe else "")
         raise CheckpointError(f"{path}: cannot load pickled checkpoint with weights_only={weights_only}: {e}.{hint}") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: a pickled checkpoint must hold a dict of tensors, found {type(state).__name__}")
@@ -152,39 +276,48 @@ def _open_pickled(path: str, weights_only: bool) -> dict[str, TensorEntry]:
             continue
         if t.dtype not in SAFETENSORS_DTYPES.values():
             raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {t.dtype}")
-        entries[key] = TensorEntry(key=key, file=path, dtype=t.dtype, shape=tuple(t.shape), data_start=0,
-                                   tensor=t.contiguous())
+        # kept as saved (a non-contiguous view is read in place, never copied whole)
+        entries[key] = TensorEntry(key=key, file=path, dtype=t.dtype, shape=tuple(t.shape), data_start=0, tensor=t)
     return entries
+
+
+def _pickled_fingerprint(path: str) -> tuple[FileIdentity, str, int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        sample, read = _sample_digest(fd, 0, st.st_size)
+        return FileIdentity.of(st), f"size {st.st_size}, data {sample[:16]}", read
+    finally:
+        os.close(fd)
 
 
 def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
     """Parse the headers of the given files (all shards of one checkpoint); tensor data is not read."""
-    entries: dict[str, TensorEntry] = {}
-    header_bytes = 0
-    metadata: dict[str, str] = {}
+    checkpoint = Checkpoint(files=list(files), entries={}, header_bytes=0, metadata={})
+    entries = checkpoint.entries
+
+    def add(key: str, entry: TensorEntry) -> None:
+        if key in entries:
+            raise CheckpointError(f"tensor {key!r} appears in both {entries[key].file} and {entry.file}")
+        entries[key] = entry
+
     for path in files:
+        name = os.path.basename(path)
         if not path.endswith(".safetensors"):
+            checkpoint.identities[path], checkpoint.fingerprints[name], read = _pickled_fingerprint(path)
+            checkpoint.sampled_bytes += read
             for key, entry in _open_pickled(path, weights_only).items():
-                if key in entries:
-                    raise CheckpointError(f"tensor {key!r} appears in both {entries[key].file} and {path}")
-                entries[key] = entry
+                add(key, entry)
             continue
-        header, data_start = read_safetensors_header(path)
-        header_bytes += data_start
-        metadata.update(header.get("__metadata__") or {})
+        header, data_start, checkpoint.identities[path], checkpoint.fingerprints[name] = _read_header(path)
+        checkpoint.sampled_bytes += min(SAMPLE_BLOCKS * SAMPLE_BYTES, checkpoint.identities[path].size - data_start)
+        checkpoint.header_bytes += data_start
+        checkpoint.metadata.update(header.get("__metadata__") or {})
         for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            if key in entries:
-                raise CheckpointError(f"tensor {key!r} appears in both {entries[key].file} and {path}")
-            entries[key] = TensorEntry(
-                key=key,
-                file=path,
-                dtype=SAFETENSORS_DTYPES[info["dtype"]],
-                shape=tuple(info["shape"]),
-                data_start=data_start + info["data_offsets"][0],
-            )
-    return Checkpoint(files=list(files), entries=entries, header_bytes=header_bytes, metadata=metadata)
+            if key != "__metadata__":
+                add(key, TensorEntry(key=key, file=path, dtype=SAFETENSORS_DTYPES[info["dtype"]],
+                                     shape=tuple(info["shape"]), data_start=data_start + info["data_offsets"][0]))
+    return checkpoint
 
 
 def check_weight_map(weight_map: dict[str, str], checkpoint: Checkpoint) -> None:

@@ -11,6 +11,8 @@ Ranks agree on failure at each step (`agreement.py`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import time
@@ -75,12 +77,30 @@ def _local_device() -> torch.device:
     return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
 def _ensure_distributed() -> None:
+    """Start the process group DeepSpeed's way. Called from plain `python` with no launcher (none of torchrun's
+    variables set), load as a single process (world size 1) instead of failing in DeepSpeed's MPI discovery."""
     import deepspeed
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
+    if dist.is_initialized():
+        return
+    if not any(v in os.environ for v in LAUNCHER_VARIABLES) and not any(
+            v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")):
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+        logger.warning("hf_zero3_loader: no launcher environment (RANK, WORLD_SIZE, ...): loading as a single process "
+                       "(world size 1). For several ranks run `torchrun --nproc_per_node N your_script.py` or "
+                       "`accelerate launch --use_deepspeed --num_processes N your_script.py`.")
+    deepspeed.init_distributed()
 
 
 class _Zero3Load:
@@ -117,6 +137,9 @@ class _Zero3Load:
             raise ConfigError("quantized models are not supported under ZeRO-3 by hf_zero3_loader")
         with self.report.phase("plan"):
             checkpoint = self._open_checkpoint(checkpoint_files, load_config)
+        with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
+            self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint))
+        with self.report.phase("plan"):
             partitioner = Zero3Partitioner(self.setup.config)
             world = partitioner.world_group()
             resolution = resolve_checkpoint(model, checkpoint, load_config.weight_mapping or [],
@@ -199,7 +222,7 @@ class _Zero3Load:
             if cpu_dst is not dst:
                 staged.append((cpu_dst, dst[:filled]))
             jobs.extend((item, checkpoint.entries[item.key], cpu_dst) for item in tensor_plan.reads)
-        reader = FileReader(self.report.read)
+        reader = FileReader(self.report.read, checkpoint.identities)
         try:
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
                       disable=self.report.rank != 0) as bar:
@@ -234,16 +257,30 @@ class _Zero3Load:
             return self._finalize(model, load_config, loading_info)
 
     def _finalize(self, model, load_config, loading_info):
+        groups = [self.expert_parallel[1].edp_group] if self.expert_parallel is not None else []
         try:
             model.mark_tied_weights_as_initialized(loading_info)
             materialize_meta_buffers(model, _local_device())
-            initialize_missing(model, self.budget_bytes, self.report.init)
-            with hf_private.tied_equality(_zero3_tied_params_are_equal):
+            with self.agreement.collective_section("missing-key init", groups):
+                initialize_missing(model, self.budget_bytes, self.report.init)
+            with self.agreement.collective_section("tied-weights check", groups), \
+                    hf_private.tied_equality(_zero3_tied_params_are_equal):
                 model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
             model._adjust_missing_and_unexpected_keys(loading_info)
         finally:
             hf_private.report_loading(model, load_config, loading_info)
         return loading_info
+
+
+def checkpoint_identity(model, load_config, checkpoint) -> dict:
+    """What every rank must agree on before planning: the config transformers built, the index, and every file's
+    size, header and sampled data (each rank's copy is compared with the first rank's)."""
+    config = {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_")}
+    weight_map = (load_config.sharded_metadata or {}).get("weight_map")
+    digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
+    return {"config.json": digest(config), "the index": digest(weight_map) if weight_map else None,
+            "the list of files": digest(sorted(checkpoint.fingerprints)),
+            **{f"file {name}": value for name, value in sorted(checkpoint.fingerprints.items())}}
 
 
 def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> bool:
@@ -268,6 +305,7 @@ def from_pretrained(
     missing_init_budget_bytes: int = DEFAULT_BUDGET_BYTES,
     read_threads: int | None = None,
     agreement_timeout_s: float | None = None,
+    liveness_timeout_s: float | None = None,
     allow_suspicious_missing_keys: bool = False,
     keep_in_fp32: bool = False,
     init_context: str = "auto",
@@ -285,8 +323,12 @@ def from_pretrained(
         missing_init_budget_bytes: at most this many bytes (or the largest single missing parameter) are
             gathered at once to initialise missing weights.
         read_threads: threads issuing positional reads (default: this rank's share of the CPU cores, at most 4).
-        agreement_timeout_s: how long ranks wait for each other at an agreement point before failing
-            (default 300 s, env `HF_ZERO3_LOADER_TIMEOUT`).
+        agreement_timeout_s: how long ranks wait for a peer that has not started this load yet (default 300 s,
+            env `HF_ZERO3_LOADER_TIMEOUT`; `float('inf')` waits forever). A peer that has started is waited for
+            as long as it is alive.
+        liveness_timeout_s: a peer silent this long (killed, stopped, its machine gone) fails the load on every
+            rank (default 30 s, env `HF_ZERO3_LOADER_LIVENESS_TIMEOUT`). Also the timeout of the loader's own
+            collectives (missing-key init, tied-weights check).
         allow_suspicious_missing_keys: load even if parameters come back missing next to unexpected keys
             that look like them (a broken conversion); they are then randomly initialised.
         keep_in_fp32: keep `_keep_in_fp32_modules` parameters in fp32 as a plain load does. DeepSpeed ZeRO-3
@@ -299,46 +341,99 @@ def from_pretrained(
             section or transformers' `distributed_config=DistributedConfig(ep_size=...)`; they must agree.
     """
     start = time.perf_counter()
-    setup = find_deepspeed_setup(ds_config)
-    if setup is None or setup.stage != 3:
-        if setup is not None and is_requested(setup.config, ep_size, kwargs.get("distributed_config")):
-            raise ConfigError(f"expert parallelism with ZeRO stage {setup.stage} is not supported by hf_zero3_loader "
-                              "yet; use ZeRO-3, or let deepspeed.initialize apply AutoEP to a plain load")
-        if ep_size is not None:
-            raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config; without DeepSpeed use transformers' "
-                              "distributed_config=DistributedConfig(ep_size=...)")
-        reason = "no DeepSpeed config found" if setup is None else f"ZeRO stage {setup.stage} ({setup.found_via})"
-        logger.info("hf_zero3_loader: init context 'meta' (%s): loading onto the local device with transformers", reason)
-        if setup is not None:
-            kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            kwargs.setdefault("device_map", {"": _local_device()})
-        with hf_private.hidden_hf_zero3():
-            model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-        _attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
-        return model
-
-    if kwargs.get("device_map") is not None:
-        raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition itself")
-    kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
-    distributed_config = kwargs.pop("distributed_config", None)  # its expert parallelism is ours to build
+    try:
+        setup = find_deepspeed_setup(ds_config)
+        zero3 = setup is not None and setup.stage == 3
+    except Exception as e:  # e.g. a config file one rank cannot read: the others must hear of it, not wait
+        if not _launched_distributed():
+            raise
+        _share_and_raise(e, "read the DeepSpeed config", agreement_timeout_s, liveness_timeout_s)
+    if not zero3:
+        return _load_without_zero3(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, ep_size,
+                                   start)
+    began = time.perf_counter()
     _ensure_distributed()
+    init_distributed_s = time.perf_counter() - began
+    agreement = Agreement(agreement_timeout_s, liveness_timeout_s)
+    try:
+        model = _load_zero3(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
+                            init_context=init_context, ep_size=ep_size, read_threads=read_threads,
+                            budget_bytes=missing_init_budget_bytes, allow_suspicious=allow_suspicious_missing_keys,
+                            keep_in_fp32=keep_in_fp32)
+    finally:
+        agreement.close()
+    report = (model[0] if isinstance(model, tuple) else model).hf_zero3_load_report
+    report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
+    report.seconds = time.perf_counter() - start - init_distributed_s
+    return model
+
+
+def _launched_distributed() -> bool:
     import torch.distributed as dist
 
-    check_supported(setup)
+    return dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _share_and_raise(error: BaseException, phase: str, join_timeout_s, liveness_timeout_s):
+    """An error before the first agreement point: meet the other ranks at it, so every rank raises it."""
+    _ensure_distributed()
+    agreement = Agreement(join_timeout_s, liveness_timeout_s)
+    try:
+        agreement.check(phase, error)
+    finally:
+        agreement.close()
+    raise error  # not reached: check raises the agreed error
+
+
+def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, start):
+    """No ZeRO-3 (no DeepSpeed config, or ZeRO-1/2): every rank holds the whole model; transformers loads it on meta
+    and straight onto the rank's device."""
+    if setup is not None and is_requested(setup.config, ep_size, kwargs.get("distributed_config")):
+        raise ConfigError(f"expert parallelism with ZeRO stage {setup.stage} is not supported by hf_zero3_loader "
+                          "yet; use ZeRO-3, or let deepspeed.initialize apply AutoEP to a plain load")
+    if ep_size is not None:
+        raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config; without DeepSpeed use transformers' "
+                          "distributed_config=DistributedConfig(ep_size=...)")
+    reason = "no DeepSpeed config found" if setup is None else f"ZeRO stage {setup.stage} ({setup.found_via})"
+    logger.info("hf_zero3_loader: init context 'meta' (%s): loading onto the local device with transformers", reason)
+    if setup is not None:
+        kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        kwargs.setdefault("device_map", {"": _local_device()})
+    with hf_private.hidden_hf_zero3():
+        model = model_class.from_pretrained(path, *model_args, **kwargs)
+    _attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
+    return model
+
+
+def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init_context, ep_size, read_threads,
+                budget_bytes, allow_suspicious, keep_in_fp32):
+    import torch.distributed as dist
+
+    error, ep_request = None, None
+    try:  # the call's own checks: whatever fails, every rank hears of it at the first agreement point
+        if kwargs.get("device_map") is not None:
+            raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition "
+                              "itself")
+        kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+        distributed_config = kwargs.pop("distributed_config", None)  # its expert parallelism is ours to build
+        check_supported(setup)
+        if init_context not in ("auto", "meta", "zero.Init"):
+            raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
+        ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
+        if (ep_request is not None and init_context == "zero.Init"
+                and not (setup.config.get("expert_parallel") or {}).get("enabled")):
+            raise ConfigError("init_context='zero.Init' builds transformers' MoE blocks; expert parallelism is then "
+                              "DeepSpeed's engine-side AutoEP, which needs `expert_parallel` in the DeepSpeed config")
+    except Exception as e:
+        error = e
+    agreement.check("check the arguments and the DeepSpeed config", error)
     expert_parallel = None
-    ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
     if ep_request is not None:  # groups first, on every rank: the engine reuses them
         expert_parallel = (ep_request, create_groups(ep_request, setup.config))
-    agreement = Agreement(agreement_timeout_s) if agreement_timeout_s else Agreement()
-    if init_context not in ("auto", "meta", "zero.Init"):
-        raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
-    if ep_request is not None and init_context == "zero.Init" and not (setup.config.get("expert_parallel") or {}).get("enabled"):
-        raise ConfigError("init_context='zero.Init' builds transformers' MoE blocks; expert parallelism is then "
-                          "DeepSpeed's engine-side AutoEP, which needs `expert_parallel` in the DeepSpeed config")
     if init_context == "zero.Init":
-        return _load_with_zero_init(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
-                                    "requested with init_context='zero.Init'", start)
+        return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
+                                    "requested with init_context='zero.Init'")
     reason = f"ZeRO-3 ({setup.found_via})"
     context = "zero3-meta"
     if ep_request is not None:
@@ -348,12 +443,12 @@ def from_pretrained(
     if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
-    hooks = _Zero3Load(setup, agreement, report, missing_init_budget_bytes, read_threads,
-                       allow_suspicious_missing_keys, keep_in_fp32, expert_parallel)
+    hooks = _Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
+                       expert_parallel)
     error, model = None, None
     try:
         with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):
-            model = model_class.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+            model = model_class.from_pretrained(path, *model_args, **kwargs)
     except AgreedFailure:
         raise
     except Exception as e:
@@ -362,14 +457,13 @@ def from_pretrained(
                             and "meta" in str(error).lower())
     agreement.check("finish load", None if cannot_build_on_meta else error)
     if cannot_build_on_meta:
-        return _load_with_zero_init(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
-                                    f"the model cannot be built on meta ({type(error).__name__}: {error})", start)
-    report.seconds = time.perf_counter() - start
+        return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
+                                    f"the model cannot be built on meta ({type(error).__name__}: {error})")
     _attach(model, report)
     return model
 
 
-def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason, start):
+def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason):
     """The fallback: transformers' own ZeRO-3 path (zero.Init, rank 0 reads, gathers and broadcasts)."""
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import deepspeed_config, unset_hf_deepspeed_config
@@ -387,8 +481,7 @@ def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement
     agreement.check("finish load (zero.Init)", error)
     import torch.distributed as dist
 
-    _attach(model, LoadReport("zero.Init", reason, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                              seconds=time.perf_counter() - start))
+    _attach(model, LoadReport("zero.Init", reason, rank=dist.get_rank(), world_size=dist.get_world_size()))
     return model
 
 

@@ -7,14 +7,16 @@ like transformers' `tensor.to(dtype)`. Counters record every byte read, for test
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint import TensorEntry
+from .checkpoint import FileIdentity, TensorEntry
 from .errors import CheckpointError
 from .planner.plan import ReadItem
 
@@ -39,37 +41,70 @@ def _as_bytes(t: torch.Tensor):
 
 
 class FileReader:
-    """Positional reads from checkpoint files, one descriptor per file, safe to share between threads."""
+    """Positional reads from checkpoint files, safe to share between threads.
 
-    def __init__(self, stats: ReadStats | None = None):
+    At most `max_open` descriptors stay open (an 800-shard checkpoint under `ulimit -n 256` loads); a file is
+    (re)opened as needed, and each open checks the file is still the one whose header was read (same inode, size
+    and modification time): a shard replaced or rewritten during the load is refused, never read at old offsets.
+    """
+
+    def __init__(self, stats: ReadStats | None = None, identities: dict | None = None, max_open: int = 32):
         self.stats = stats or ReadStats()
-        self._fds: dict[str, int] = {}
+        self.identities = identities or {}
+        self.max_open = max_open
+        self._fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._users: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _fd(self, path: str) -> int:
+    def _open(self, path: str) -> int:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from e
+        expected = self.identities.get(path)
+        if expected is not None and FileIdentity.of(os.fstat(fd)) != expected:
+            os.close(fd)
+            raise CheckpointError(f"{path} changed on disk after its header was read (replaced or rewritten during "
+                                  "the load); refusing to read it at the old header's offsets")
+        return fd
+
+    def _acquire(self, path: str) -> int:
         with self._lock:
-            if path not in self._fds:
-                try:
-                    self._fds[path] = os.open(path, os.O_RDONLY)
-                except OSError as e:
-                    raise CheckpointError(f"cannot open checkpoint file {path}: {e.strerror}") from e
-            return self._fds[path]
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = self._open(path)
+                for old in [p for p in self._fds if self._users.get(p, 0) == 0 and p != path]:
+                    if len(self._fds) <= self.max_open:
+                        break
+                    os.close(self._fds.pop(old))
+            self._fds.move_to_end(path)
+            self._users[path] = self._users.get(path, 0) + 1
+            return fd
+
+    def _release(self, path: str) -> None:
+        with self._lock:
+            self._users[path] -= 1
 
     def read_into(self, path: str, offset: int, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` with the bytes at `offset` of `path`."""
         buf = _as_bytes(out)
-        fd, done, total = self._fd(path), 0, out.numel() * out.element_size()
-        while done < total:
-            n = os.preadv(fd, [buf[done:]], offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{path}: truncated file (wanted {total} bytes at offset {offset})")
-            done += n
+        done, total = 0, out.numel() * out.element_size()
+        fd = self._acquire(path)
+        try:
+            while done < total:
+                n = os.preadv(fd, [buf[done:]], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{path}: truncated file (wanted {total} bytes at offset {offset})")
+                done += n
+        finally:
+            self._release(path)
         self.stats.add(total)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: torch.Tensor) -> None:
@@ -77,10 +112,8 @@ def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: to
     itemsize = item.src_dtype.itemsize
     entry_start = entry.data_start
     out = dst[item.dst_offset : item.dst_offset + item.numel]
-    if entry.tensor is not None:  # a pickled checkpoint, memory-mapped
-        box = entry.tensor.reshape(-1).as_strided((item.rows, item.cols), (item.row_stride, 1), item.src_offset)
-        view = out.view(item.cols, item.rows) if item.transposed else out.view(item.rows, item.cols)
-        view.copy_(box.t() if item.transposed else box)
+    if entry.tensor is not None:  # a pickled checkpoint, memory-mapped (or loaded whole, legacy format)
+        _copy_from_tensor(entry.tensor, item, out)
         reader.stats.add(item.numel * itemsize)
         return
     if not item.transposed and (item.rows == 1 or item.row_stride == item.cols):  # one contiguous span
@@ -127,13 +160,56 @@ def split_for_threads(item: ReadItem) -> list[ReadItem]:
     ]
 
 
+def _copy_flat_range(src: torch.Tensor, start: int, out: torch.Tensor) -> None:
+    """out <- src.flatten()[start:start + out.numel()], for any strides, without copying `src` whole: the range is
+    split into at most 2 * ndim + 1 boxes, each a strided view of `src`."""
+    n = out.numel()
+    if n == 0:
+        return
+    if src.dim() <= 1:
+        out.copy_(src.reshape(-1)[start:start + n] if src.dim() == 0 else src[start:start + n])
+        return
+    inner = math.prod(src.shape[1:])
+    first, last = start // inner, (start + n - 1) // inner
+    pos = 0
+    head = start - first * inner
+    if head or first == last:  # a partial leading block
+        take = min(inner - head, n)
+        _copy_flat_range(src[first], head, out[:take])
+        pos, first = take, first + 1
+    if pos < n:
+        full_end = (start + n) // inner  # blocks [first, full_end) are whole
+        if full_end > first:
+            count = (full_end - first) * inner
+            out[pos:pos + count].view(full_end - first, *src.shape[1:]).copy_(src[first:full_end])
+            pos += count
+        if pos < n:
+            _copy_flat_range(src[full_end], 0, out[pos:])
+
+
+def _copy_from_tensor(src: torch.Tensor, item: ReadItem, out: torch.Tensor) -> None:
+    """A ReadItem served from an in-memory (or memory-mapped) tensor."""
+    if src.is_contiguous():
+        box = src.reshape(-1).as_strided((item.rows, item.cols), (item.row_stride, 1), item.src_offset)
+    else:
+        box = torch.empty((item.rows, item.cols), dtype=src.dtype)
+        for r in range(item.rows):
+            _copy_flat_range(src, item.src_offset + r * item.row_stride, box[r])
+    view = out.view(item.cols, item.rows) if item.transposed else out.view(item.rows, item.cols)
+    view.copy_(box.t() if item.transposed else box)
+
+
 def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4,
               progress=None) -> None:
     """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL).
-    `progress(nbytes)` is called as pieces complete."""
+    `progress(nbytes)` is called as pieces complete. The first failure, or an interrupt, cancels every queued
+    read at once; reads already running finish their piece (at most STAGING_BYTES each)."""
     pieces = [(p, entry, dst) for item, entry, dst in jobs for p in split_for_threads(item)]
+    stop = threading.Event()
 
     def one(item, entry, dst):
+        if stop.is_set():
+            return
         execute_read(reader, item, entry, dst)
         if progress is not None:
             progress(item.numel * item.src_dtype.itemsize)
@@ -142,6 +218,12 @@ def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: Fi
         for piece in pieces:
             one(*piece)
         return
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for f in [pool.submit(one, *piece) for piece in pieces]:
-            f.result()
+    pool = ThreadPoolExecutor(max_workers=threads)
+    try:
+        futures = [pool.submit(one, *piece) for piece in pieces]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in done:
+            f.result()  # raises the first failure
+    finally:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
