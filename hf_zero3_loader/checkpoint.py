@@ -320,6 +320,46 @@ def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
     return checkpoint
 
 
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def find_index(path: str, subfolder: str = "", revision: str | None = None) -> str | None:
+    """The checkpoint's index file, if any, in a local folder or the hub cache (nothing is downloaded)."""
+    for name in INDEX_NAMES:
+        local = os.path.join(path, subfolder, name)
+        if os.path.isfile(local):
+            return local
+        if not os.path.isdir(path):
+            try:
+                from huggingface_hub import try_to_load_from_cache
+
+                cached = try_to_load_from_cache(path, os.path.join(subfolder, name) if subfolder else name,
+                                                revision=revision)
+            except Exception:
+                cached = None
+            if isinstance(cached, str):
+                return cached
+    return None
+
+
+def check_index(index_path: str) -> None:
+    """An index transformers will follow: JSON with a `weight_map` of tensor name -> shard file name."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except RecursionError:
+        raise CheckpointError(f"{index_path}: corrupt checkpoint index (JSON nested too deeply)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{index_path}: corrupt checkpoint index ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: checkpoint index has no `weight_map` object (tensor name -> shard file)")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise CheckpointError(f"{index_path}: checkpoint index maps tensor {bad[0]!r} to {weight_map[bad[0]]!r}, "
+                              "not a shard file name")
+
+
 def check_weight_map(weight_map: dict[str, str], checkpoint: Checkpoint) -> None:
     """A sharded checkpoint's index must name tensors that the named shard really holds."""
     for key, shard in weight_map.items():

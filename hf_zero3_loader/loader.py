@@ -24,12 +24,13 @@ import torch
 
 from . import _transformers_private as hf_private
 from .agreement import AgreedFailure, Agreement
-from .checkpoint import check_files, check_weight_map, open_checkpoint
+from .checkpoint import check_files, check_index, check_weight_map, find_index, open_checkpoint
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
-from .errors import ConfigError, ConversionMismatchError
+from .errors import CheckpointError, ConfigError, ConversionMismatchError
 from .expert_parallel import ExpertParallelLayout, create_groups, is_requested, request_from
 from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
-from .planner.plan import LoadPlan, check_plan_is_exact, plan_tensors, resolve_checkpoint, suspicious_missing_keys
+from .planner.plan import (LoadPlan, check_plan_is_exact, missing_inputs, plan_tensors, resolve_checkpoint,
+                           suspicious_missing_keys)
 from .reader import FileReader, ReadStats, run_reads
 from .zero3 import Zero3Partitioner
 
@@ -150,6 +151,8 @@ class _Zero3Load:
                 layout = ExpertParallelLayout.convert(model, request, groups)
                 group_of = layout.group_of(world, partitioner.add_group(groups.edp_name, groups.edp_group))
                 sources = layout.sources
+            if not load_config.ignore_mismatched_sizes:
+                self._refuse_incomplete_inputs(resolution)
             plan = plan_tensors(model, resolution, checkpoint, group_of, world.rank, world.size, sources)
             check_plan_is_exact(plan)
             if layout is not None:
@@ -177,6 +180,19 @@ class _Zero3Load:
         if load_config.sharded_metadata and "weight_map" in load_config.sharded_metadata:
             check_weight_map(load_config.sharded_metadata["weight_map"], checkpoint)
         return checkpoint
+
+    @staticmethod
+    def _refuse_incomplete_inputs(resolution) -> None:
+        """Merged tensors (fused experts) short of some of their checkpoint tensors: name them, rather than the size
+        mismatch transformers would report."""
+        short = [(target, missing_inputs(resolution, target, tuple(shape)))
+                 for target, _, shape in sorted(resolution.mismatched_keys, key=lambda m: m[0])]
+        short = [(target, missing) for target, missing in short if missing]
+        if short:
+            lines = "\n".join(f"  {target} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                              for target, missing in short[:8])
+            raise CheckpointError(f"{len(short)} parameters are built from numbered checkpoint tensors the checkpoint "
+                                  f"does not hold (a shard or an index entry missing?):\n{lines}")
 
     def _refuse_broken_conversion(self, model, plan: LoadPlan) -> None:
         suspicious = suspicious_missing_keys(plan)
@@ -278,8 +294,8 @@ def checkpoint_identity(model, load_config, checkpoint) -> dict:
     config = {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_")}
     weight_map = (load_config.sharded_metadata or {}).get("weight_map")
     digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
-    return {"config.json": digest(config), "the index": digest(weight_map) if weight_map else None,
-            "the list of files": digest(sorted(checkpoint.fingerprints)),
+    return {"config.json": digest(config), "the list of files": digest(sorted(checkpoint.fingerprints)),
+            "the index": digest(weight_map) if weight_map else "none",
             **{f"file {name}": value for name, value in sorted(checkpoint.fingerprints.items())}}
 
 
@@ -420,6 +436,9 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         check_supported(setup)
         if init_context not in ("auto", "meta", "zero.Init"):
             raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
+        index = find_index(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
+        if index is not None:  # transformers would fail on a malformed index with a bare KeyError/TypeError
+            check_index(index)
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
         if (ep_request is not None and init_context == "zero.Init"
                 and not (setup.config.get("expert_parallel") or {}).get("enabled")):

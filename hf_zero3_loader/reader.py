@@ -221,9 +221,11 @@ def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: Fi
     pool = ThreadPoolExecutor(max_workers=threads)
     try:
         futures = [pool.submit(one, *piece) for piece in pieces]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in done:
-            f.result()  # raises the first failure
+        pending = futures
+        while pending:  # short waits: the main thread gets back to Python often, so Ctrl-C lands at once
+            done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)
+            for f in done:
+                f.result()  # raises the first failure
     finally:
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)

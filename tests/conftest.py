@@ -46,9 +46,11 @@ def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hfz3"))
 
 
-def run_ranks(world_size: int, cases: list[dict], workdir: str, timeout: float = 240) -> list[dict]:
-    """Start each rank as its own process (the env torchrun would set) and return every rank's dump of the
-    last case; unlike torchrun, one rank dying does not take the others down, so their own errors are seen."""
+def run_ranks(world_size: int, cases: list[dict], workdir: str, timeout: float = 240,
+              stopped: tuple[int, ...] = ()) -> list[dict]:
+    """Start each rank as its own process (the env torchrun would set) and return every rank's dump of each
+    case; unlike torchrun, one rank dying does not take the others down, so their own errors are seen.
+    Ranks in `stopped` are expected to stop themselves (SIGSTOP): they are killed once the others are done."""
     import time
 
     cases = [{**c, "per_rank_out": True} for c in cases]
@@ -65,12 +67,21 @@ def run_ranks(world_size: int, cases: list[dict], workdir: str, timeout: float =
                                       env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     hung = []
-    for p in procs:
-        try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+    last = cases[-1]["out"]
+    for rank, p in enumerate(procs):
+        if rank in stopped:
+            continue
+        # done when it exits, or (a peer stopped) once it wrote its outcome: its teardown then waits on the peer
+        while p.poll() is None and time.monotonic() < deadline:
+            if stopped and os.path.exists(f"{last}.rank{rank}"):
+                break
+            time.sleep(0.2)
+        if p.poll() is None and not (stopped and os.path.exists(f"{last}.rank{rank}")):
             hung.append(p.pid)
+    for p in procs:
+        if p.poll() is None:
             p.kill()
+        p.wait()
     assert not hung, f"processes still running after {timeout}s: {hung}"
     out = []
     for c in cases:

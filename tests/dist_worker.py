@@ -88,36 +88,65 @@ def checkpoint_roundtrip(case: dict, engine, load_model, ds_config: dict, vocab:
 
 
 def inject_fault(case: dict):
-    """Test-side fault injection on one rank: patch a loader internal so that this rank fails or dies.
-    Returns a function that undoes the patch."""
+    """Test-side fault injection on one rank: patch a loader internal so that this rank fails, dies, stops or
+    stalls, or its checkpoint changes under it. Returns a function that undoes the patch."""
+    import signal
+
+    import hf_zero3_loader.loader as loader
+    import hf_zero3_loader.reader as reader
+
     fault = case.get("inject")
     if not fault or fault["rank"] != dist.get_rank():
         return lambda: None
-    import hf_zero3_loader.reader as reader
-
-    saved_read, saved_open = reader.FileReader.read_into, os.open
+    saved = [(reader.FileReader, "read_into"), (os, "open"), (loader, "run_reads"), (loader, "initialize_missing"),
+             (reader.FileReader, "__init__")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
 
     def undo():
-        reader.FileReader.read_into, os.open = saved_read, saved_open
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
-    if fault["kind"] == "raise_in_read":
+    kind = fault["kind"]
+    real_run_reads, real_init_missing, real_open = loader.run_reads, loader.initialize_missing, os.open
+    if kind == "raise_in_read":
         def failing_read(self, path, offset, out):
             raise OSError(f"injected read failure in {path}")
         reader.FileReader.read_into = failing_read
-    elif fault["kind"] == "unreadable":  # this rank cannot open the checkpoint files, the others can
-        real_open = os.open
-
+    elif kind == "unreadable":  # this rank cannot open the checkpoint files, the others can
         def denied(path, *args, **kwargs):
             if str(path).endswith(".safetensors"):
                 raise PermissionError(13, "Permission denied", path)
             return real_open(path, *args, **kwargs)
         os.open = denied
-    elif fault["kind"] == "die_in_read":
-        def die(*args, **kwargs):
-            os._exit(17)
-        reader.run_reads = die
-        import hf_zero3_loader.loader as loader
-        loader.run_reads = die
+    elif kind in ("die_in_read", "stop_in_read", "slow_read"):
+        def run_reads(*args, **kwargs):
+            if kind == "die_in_read":
+                os._exit(17)
+            if kind == "stop_in_read":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(fault.get("seconds", 0))  # slow, but alive: its heartbeat goes on
+            return real_run_reads(*args, **kwargs)
+        loader.run_reads = run_reads
+    elif kind in ("die_in_finalize", "stop_in_finalize"):  # inside the collective section of missing-key init
+        def initialize_missing(*args, **kwargs):
+            if kind == "die_in_finalize":
+                os._exit(17)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return real_init_missing(*args, **kwargs)
+        loader.initialize_missing = initialize_missing
+    elif kind == "replace_shard":  # after the headers were read, before the reads: an atomic rename over a shard
+        real_init = reader.FileReader.__init__
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            target = os.path.join(case["path"], fault["file"])
+            with open(target, "rb") as f:
+                data = bytearray(f.read())
+            data[-8:] = bytes(8)  # same size, other bytes: a new file with the same layout
+            with open(target + ".new", "wb") as f:
+                f.write(data)
+            os.replace(target + ".new", target)
+        reader.FileReader.__init__ = init
     return undo
 
 
@@ -134,7 +163,13 @@ def run_case(case: dict) -> dict:
         model_class = getattr(importlib.import_module(module_name), attr)
     else:
         model_class = getattr(transformers, class_name)
-    ds_config = case.get("ds_config") or ds_config_for(case["dtype"])
+    rank = str(dist.get_rank())
+    case = {**case, "path": case.get("path_by_rank", {}).get(rank, case.get("path"))}
+    ds_config = case.get("ds_config_by_rank", {}).get(rank, case.get("ds_config") or ds_config_for(case["dtype"]))
+    if case.get("max_open_files"):  # e.g. `ulimit -n 128` with a checkpoint of more shards than that
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (case["max_open_files"], resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     kwargs = dict(case.get("kwargs", {}))
     if isinstance(kwargs.get("distributed_config"), dict):  # JSON cases carry transformers' DistributedConfig as a dict
         kwargs["distributed_config"] = transformers.DistributedConfig(**kwargs["distributed_config"])

@@ -50,6 +50,43 @@ def _edit_index(folder, edit):
         json.dump(index, f)
 
 
+def _rewrite_header(folder: str, edit) -> None:
+    """Replace model.safetensors' header by `edit(header dict) -> bytes`, keeping its data section."""
+    import struct
+
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header, data = json.loads(f.read(n)), f.read()
+    raw = edit(header)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def _overlap(header: dict) -> bytes:
+    """The second tensor's range starts 4 bytes early: it aliases the end of the first."""
+    first, second = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")[:2]
+    header[second[1]]["data_offsets"] = [second[0][0] - 4, second[0][1] - 4]
+    return json.dumps(header).encode()
+
+
+def _duplicate_key(header: dict) -> bytes:
+    key = next(k for k in header if k != "__metadata__")
+    entry = json.dumps(header[key])
+    return json.dumps(header).encode()[:-1] + f', "{key}": {entry}}}'.encode()
+
+
+def _set(path_in_header, value):
+    def edit(header: dict) -> bytes:
+        key, field = path_in_header
+        if key == "__metadata__":
+            header["__metadata__"] = value
+        else:
+            header[key][field] = value
+        return json.dumps(header).encode()
+    return edit
+
+
 @pytest.fixture(scope="module")
 def bad(workdir):
     d = lambda name: os.path.join(workdir, "bad", name)  # noqa: E731
@@ -87,7 +124,35 @@ def bad(workdir):
         else:
             torch.save(state, os.path.join(folder, "pytorch_model.bin"))
 
+    def remove_index_weight_map(folder):
+        path = os.path.join(folder, "model.safetensors.index.json")
+        with open(path) as f:
+            index = json.load(f)
+        del index["weight_map"]
+        with open(path, "w") as f:
+            json.dump(index, f)
+
+    def shard_becomes_directory(folder):
+        shard = os.path.join(folder, _shards(folder)[1])
+        os.remove(shard)
+        os.mkdir(shard)
+
+    def header(name, edit):
+        return _copy(single, d(name), lambda f: _rewrite_header(f, edit))
+
     return {
+        "overlapping_offsets": header("overlap", _overlap),
+        "duplicate_key": header("duplicate_key", _duplicate_key),
+        "shape_is_an_int": header("shape_int", _set(("model.norm.weight", "shape"), 28)),
+        "offsets_are_strings": header("offsets_str", _set(("model.norm.weight", "data_offsets"), ["0", "112"])),
+        "metadata_not_strings": header("metadata_int", _set(("__metadata__", None), {"format": 1})),
+        "utf16_header": header("utf16", lambda h: json.dumps(h).encode("utf-16")),
+        "deep_json_header": header("deep", lambda h: b"[" * 200_000 + b"]" * 200_000),
+        "index_without_weight_map": _copy(sharded, d("no_weight_map"), remove_index_weight_map),
+        "shard_is_a_directory": _copy(sharded, d("shard_dir"), shard_becomes_directory),
+        "missing_one_expert": rewrite_checkpoint(single, d("missing_expert"), lambda t: {
+            k: v for k, v in t.items() if ".mlp.experts.3." not in k or ".layers.1." not in k}),
+        "replaced": _copy(single, d("replaced")),
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
         "no_experts": rewrite_checkpoint(single, d("no_experts"), lambda t: {
@@ -143,6 +208,30 @@ CASES = {
                                     "ConfigError", ["conflicts", "bfloat16"]),
     "device_map_with_zero3": ("good", None, {"device_map": "auto"}, None, "ConfigError",
                               ["device_map", "ZeRO-3"]),
+    # safetensors' own header rules, each refusal naming the file and the tensor
+    "overlapping_offsets": ("overlapping_offsets", None, {}, None, "CheckpointError",
+                            ["model.safetensors", "overlaps tensor", "tile the data section"]),
+    "duplicate_key": ("duplicate_key", None, {}, None, "CheckpointError", ["model.safetensors", "names tensor", "twice"]),
+    "shape_is_an_int": ("shape_is_an_int", None, {}, None, "CheckpointError",
+                        ["model.safetensors", "'model.norm.weight'", "shape 28"]),
+    "offsets_are_strings": ("offsets_are_strings", None, {}, None, "CheckpointError",
+                            ["model.safetensors", "'model.norm.weight'", "data_offsets"]),
+    "metadata_not_strings": ("metadata_not_strings", None, {}, None, "CheckpointError",
+                             ["model.safetensors", "__metadata__ must map strings to strings"]),
+    "utf16_header": ("utf16_header", None, {}, None, "CheckpointError", ["model.safetensors", "not UTF-8"]),
+    "deep_json_header": ("deep_json_header", None, {}, None, "CheckpointError", ["model.safetensors", "nested"]),
+    "index_without_weight_map": ("index_without_weight_map", None, {}, None, "CheckpointError",
+                                 ["model.safetensors.index.json", "no `weight_map`"]),
+    "shard_is_a_directory": ("shard_is_a_directory", None, {}, None, "CheckpointError",
+                             ["model-00002-of-", "is a directory"]),
+    "missing_one_expert": ("missing_one_expert", None, {}, None, "CheckpointError",
+                           ["model.layers.1.mlp.experts.gate_up_proj lacks", "model.layers.1.mlp.experts.3.gate_proj.weight"]),
+    # a shard atomically replaced after the headers were read: detected, never read at the old offsets
+    "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
+                                "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
+    # an error on one rank before the first agreement point; the next case in the same processes still pairs
+    "ds_config_unreadable_on_rank_1": ("good", {"by_rank": {"1": "/nonexistent/ds.json"}}, {}, None, "ConfigError",
+                                       ["[rank 1]", "cannot read DeepSpeed config", "/nonexistent/ds.json"]),
 }
 
 
@@ -150,8 +239,11 @@ CASES = {
 def outcomes(bad, workdir):
     cases = []
     for name, (ckpt, ds_config, kwargs, inject, _, _) in CASES.items():
-        cases.append({"name": name, "path": bad[ckpt], "dtype": "float32", "ds_config": ds_config, "kwargs": kwargs,
-                      "inject": inject, "out": os.path.join(workdir, f"err_{name}.pt")})
+        case = {"name": name, "path": bad[ckpt], "dtype": "float32", "ds_config": ds_config, "kwargs": kwargs,
+                "inject": inject, "out": os.path.join(workdir, f"err_{name}.pt")}
+        if ds_config and "by_rank" in ds_config:
+            case.update(ds_config=None, ds_config_by_rank=ds_config["by_rank"])
+        cases.append(case)
     cases.append({"name": "pickle_weights_only", "path": bad["pickle_weights_only"], "dtype": "float32",
                   "out": os.path.join(workdir, "err_pickle_ok.pt")})
     return {c["name"]: ranks for c, ranks in zip(cases, run_ranks(2, cases, workdir))}
@@ -184,16 +276,6 @@ def test_pickled_checkpoint_loads_with_weights_only(outcomes, bad):
     plain = AutoModelForCausalLM.from_pretrained(bad["pickle_weights_only"], dtype=torch.float32)
     assert sum(r["report"]["bytes_read"] for r in ranks) == sum(
         p.numel() * p.element_size() for p in plain.state_dict().values())
-
-
-def test_a_rank_that_dies_makes_the_others_fail_within_the_bound(bad, workdir):
-    case = {"name": "dies", "path": bad["good"], "dtype": "float32", "kwargs": {"agreement_timeout_s": 20},
-            "inject": {"rank": 1, "kind": "die_in_read"}, "out": os.path.join(workdir, "err_dies.pt")}
-    (ranks,) = run_ranks(2, [case], workdir, timeout=BOUND_S + 60)
-    assert ranks[1] is None, "rank 1 died before reporting"
-    error = ranks[0]["error"]
-    assert "DistributedLoadError" in error["mro"] and "stopped answering" in error["message"], error
-    assert error["seconds"] < BOUND_S
 
 
 def test_world_larger_than_a_tensor(workdir):

@@ -186,6 +186,7 @@ class Resolution:
     unexpected_keys: set[str]
     mismatched_keys: set[tuple[str, tuple, tuple]]
     used_mapping: list
+    inputs: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # target -> source pattern -> keys
 
 
 @dataclass(frozen=True)
@@ -247,8 +248,11 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
     }
     converted: dict[str, tuple[Sym, torch.dtype]] = {}
     mismatched: set[tuple[str, tuple, tuple]] = set()
+    inputs: dict[str, dict[str, list[str]]] = {}
     for first_name, mapping in to_load.items():
+        keys = {pattern: [t.key for t in syms] for pattern, syms in mapping.collected_tensors.items()}
         for target, sym in apply_converter(mapping, first_name, ctx).items():
+            inputs[target] = keys
             sym = sym[0] if isinstance(sym, list) else sym
             if target not in meta_state:
                 unexpected.add(target)
@@ -257,7 +261,25 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
             else:
                 converted[target] = (sym, target_dtype.get(first_name, meta_state[target].dtype))
     used = [c for c in weight_mapping if c.was_used()]
-    return Resolution(converted, unexpected, mismatched, used)
+    return Resolution(converted, unexpected, mismatched, used, inputs)
+
+
+def missing_inputs(resolution: Resolution, target: str, model_shape: tuple) -> list[str]:
+    """Checkpoint keys a mismatched `target` lacks: the numbered tensors (`experts.*.w1`, ...) a merge expects
+    `model_shape[0]` of, that the checkpoint does not hold."""
+    missing = []
+    for pattern, keys in resolution.inputs.get(target, {}).items():
+        parts = pattern.split(".")
+        if "*" not in parts or not keys or not model_shape:
+            continue
+        position = len(keys[0].split(".")) - (len(parts) - parts.index("*"))
+        present = {int(k.split(".")[position]) for k in keys if k.split(".")[position].isdigit()}
+        template = keys[0].split(".")
+        for index in range(model_shape[0]):
+            if index not in present:
+                template[position] = str(index)
+                missing.append(".".join(template))
+    return missing
 
 
 def plan_tensors(

@@ -1,0 +1,296 @@
+"""No silent mixes, no long waits: ranks prove they load the same checkpoint, a dead or stopped rank is noticed
+within the liveness bound (a slow one is waited for), reads stop at the first failure or an interrupt, and the
+awkward inputs (many shards under a low descriptor limit, legacy and strided `.bin`, no launcher) load.
+
+Multi-rank cases run each rank as its own process (`run_ranks`), so each rank's own outcome is seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint, make_config
+from tests.conftest import ROOT, python_path, run_ranks, run_torchrun
+
+LIVENESS_S = 10  # the tests' liveness bound (default 30 s); detection must come within it plus a margin
+MARGIN_S = 15
+
+
+def _plain(path: str, dtype=torch.float32) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+def _same_error_on(ranks: list, which: list[int]) -> dict:
+    errors = [ranks[r]["error"] for r in which]
+    assert len({(e["type"], e["message"]) for e in errors}) == 1, errors
+    return errors[0]
+
+
+# -- copies that differ ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def copies(workdir):
+    base = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    d = os.path.join(workdir, "copies")
+    other_values = make_checkpoint(os.path.join(d, "other_values"), "qwen3_moe", seed=1)
+    other_split = make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True)
+    other_config = os.path.join(d, "other_config")
+    if not os.path.exists(other_config):
+        shutil.copytree(base, other_config)
+        with open(os.path.join(other_config, "config.json")) as f:
+            config = json.load(f)
+        config["rms_norm_eps"] = 1e-5
+        with open(os.path.join(other_config, "config.json"), "w") as f:
+            json.dump(config, f)
+    return {"base": base, "values": other_values, "split": other_split, "config": other_config}
+
+
+def test_ranks_with_different_copies_fail_alike_naming_what_differs(copies, workdir):
+    expectations = {"values": "file model.safetensors differs", "split": "the list of files differs",
+                    "config": "config.json differs"}
+    cases = [{"name": name, "path": copies["base"], "path_by_rank": {"1": copies[name]}, "dtype": "float32",
+              "out": os.path.join(workdir, f"copies_{name}.pt")} for name in expectations]
+    for case, ranks in zip(cases, run_ranks(2, cases, workdir)):
+        error = _same_error_on(ranks, [0, 1])
+        assert error["type"] == "CheckpointError", error
+        message = error["message"]
+        assert "ranks 0 and 1 are not loading the same checkpoint" in message or \
+            "ranks 1 and 0 are not loading the same checkpoint" in message, message
+        assert expectations[case["name"]] in message, message
+        assert error["seconds"] < 60
+
+
+# -- liveness ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def with_missing(workdir):
+    """A checkpoint without the lm_head: finalize gathers it (a real collective) to initialise it."""
+    from tests.checkpoints import rewrite_checkpoint
+
+    base = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    return rewrite_checkpoint(base, os.path.join(workdir, "qwen_no_lm_head"),
+                              lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+
+
+@pytest.mark.parametrize("kind", ["die_in_read", "stop_in_read", "die_in_finalize", "stop_in_finalize"])
+def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missing, workdir, kind):
+    case = {"name": kind, "path": with_missing, "dtype": "float32", "kwargs": {"liveness_timeout_s": LIVENESS_S},
+            "inject": {"rank": 1, "kind": kind}, "out": os.path.join(workdir, f"live_{kind}.pt")}
+    stopped = (1,) if kind.startswith("stop") else ()
+    (ranks,) = run_ranks(2, [case], workdir, timeout=LIVENESS_S * 3 + 60, stopped=stopped)
+    assert ranks[1] is None, "rank 1 died or was stopped before reporting"
+    error = ranks[0]["error"]
+    assert "DistributedLoadError" in error["mro"], error
+    phase = "read checkpoint" if kind.endswith("read") else "missing-key init"
+    assert "rank 1 stopped answering" in error["message"] and phase in error["message"], error["message"]
+    # heartbeats stop; a collective in flight times out at the liveness bound (+5 s) and waits for the verdict
+    assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
+
+
+def test_a_slow_but_live_rank_is_waited_for(workdir):
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    slow = 2 * LIVENESS_S + 2
+    case = {"name": "slow", "path": path, "dtype": "float32", "kwargs": {"liveness_timeout_s": LIVENESS_S},
+            "inject": {"rank": 1, "kind": "slow_read", "seconds": slow}, "out": os.path.join(workdir, "live_slow.pt")}
+    (ranks,) = run_ranks(2, [case], workdir, timeout=slow + 120)
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+        assert r["report"]["seconds"] >= slow - 1  # rank 0 waited for rank 1 at the agreement point
+
+
+# -- reads stop at once --------------------------------------------------------------------------------------------
+
+class _SlowReader:
+    """A FileReader stand-in: each piece takes `seconds`; one piece may fail."""
+
+    def __init__(self, seconds: float, fail_at: int | None = None):
+        from hf_zero3_loader.reader import ReadStats
+
+        self.stats, self.seconds, self.fail_at, self.calls = ReadStats(), seconds, fail_at, 0
+        self.lock = threading.Lock()
+
+    def read_into(self, path, offset, out):
+        with self.lock:
+            self.calls += 1
+            n = self.calls
+        time.sleep(self.seconds)
+        if n == self.fail_at:
+            raise OSError("injected failure")
+
+
+def _jobs(pieces: int):
+    from hf_zero3_loader.checkpoint import TensorEntry
+    from hf_zero3_loader.planner.plan import ReadItem
+
+    dst = torch.empty(pieces * 4)
+    entry = TensorEntry("t", "f", torch.float32, (pieces * 4,), 0)
+    return [(ReadItem("f", "t", torch.float32, i * 4, 1, 4, 4, i * 4), entry, dst) for i in range(pieces)]
+
+
+def test_a_failed_read_cancels_the_queued_reads():
+    from hf_zero3_loader.reader import run_reads
+
+    reader = _SlowReader(0.05, fail_at=3)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="injected failure"):
+        run_reads(_jobs(200), reader, threads=4)  # 200 pieces x 50 ms / 4 threads = 2.5 s if nothing stopped
+    assert time.monotonic() - started < 1.0
+    time.sleep(0.2)
+    assert reader.calls < 20, f"{reader.calls} reads ran after the failure"
+
+
+def test_an_interrupt_cancels_the_queued_reads():
+    import signal
+
+    from hf_zero3_loader.reader import run_reads
+
+    reader = _SlowReader(0.05)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real Ctrl-C, to any thread
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run_reads(_jobs(200), reader, threads=4)
+    assert time.monotonic() - started < 1.5
+    time.sleep(0.2)
+    assert reader.calls < 60, f"{reader.calls} reads ran after the interrupt"
+
+
+# -- timeouts are validated -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [0, -1, float("nan"), "30", True])
+def test_invalid_timeouts_are_refused(value):
+    from hf_zero3_loader.agreement import resolve_timeout
+    from hf_zero3_loader.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        resolve_timeout(value, "UNUSED_ENV", 30.0, "liveness_timeout_s")
+
+
+def test_timeout_environment_is_parsed_at_use_with_a_clear_error():
+    env = {**os.environ, "HF_ZERO3_LOADER_TIMEOUT": "abc", "PYTHONPATH": python_path()}
+    code = ("import hf_zero3_loader\n"  # importing must not fail
+            "from hf_zero3_loader.agreement import resolve_timeout, JOIN_ENV\n"
+            "try:\n    resolve_timeout(None, JOIN_ENV, 300.0, 'agreement_timeout_s')\n"
+            "except hf_zero3_loader.ConfigError as e:\n    print('ConfigError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ConfigError: HF_ZERO3_LOADER_TIMEOUT='abc' is not a number of seconds" in out.stdout
+    from hf_zero3_loader.agreement import resolve_timeout
+
+    assert resolve_timeout(float("inf"), "UNUSED_ENV", 30.0, "agreement_timeout_s") == float("inf")
+
+
+# -- awkward inputs that must load --------------------------------------------------------------------------------------
+
+def test_strided_copy_of_a_flat_range_matches_flatten():
+    from hf_zero3_loader.reader import _copy_flat_range
+
+    g = torch.Generator().manual_seed(0)
+    for shape, perm in [((5, 7), (1, 0)), ((3, 4, 5), (2, 0, 1)), ((2, 3, 4, 5), (3, 1, 0, 2)), ((6,), (0,))]:
+        src = torch.randn(shape, generator=g).permute(perm)
+        flat = src.flatten()
+        for start in range(0, flat.numel(), 3):
+            for n in (1, 4, 11, flat.numel() - start):
+                n = min(n, flat.numel() - start)
+                out = torch.empty(n)
+                _copy_flat_range(src, start, out)
+                assert torch.equal(out, flat[start:start + n]), (shape, perm, start, n)
+
+
+def test_many_shards_under_a_low_descriptor_limit(workdir):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=24,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    from safetensors.torch import load_file, save_file
+
+    base = make_checkpoint(os.path.join(workdir, "many_layers"), "many", config=config)
+    path = os.path.join(workdir, "many_shards")
+    if not os.path.exists(path):  # one shard per tensor, as a checkpoint saved with a tiny max_shard_size is
+        os.makedirs(path)
+        shutil.copy(os.path.join(base, "config.json"), path)
+        tensors = load_file(os.path.join(base, "model.safetensors"))
+        weight_map = {}
+        for i, (key, t) in enumerate(sorted(tensors.items())):
+            name = f"model-{i + 1:05d}-of-{len(tensors):05d}.safetensors"
+            save_file({key: t}, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map[key] = name
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    assert len(shards) > 200, len(shards)
+    case = {"name": "many", "path": path, "dtype": "float32", "max_open_files": 128,
+            "out": os.path.join(workdir, "many_shards.pt")}
+    (dump,) = run_torchrun(2, [case], workdir)
+    got = dump["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    for name, want in _plain(path).items():
+        assert torch.equal(got["state"][name], want), name
+
+
+def test_legacy_and_strided_pickled_checkpoints_load_bit_exact(workdir):
+    from safetensors.torch import load_file
+
+    base = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    state = load_file(os.path.join(base, "model.safetensors"))
+    folders = {}
+    for name, legacy, strided in (("legacy", True, False), ("strided", False, True)):
+        folder = os.path.join(workdir, f"bin_{name}")
+        if not os.path.exists(folder):
+            os.makedirs(folder)
+            for f in ("config.json", "generation_config.json"):
+                shutil.copy(os.path.join(base, f), folder)
+            tensors = {k: (v.t().contiguous().t() if strided and v.dim() == 2 else v) for k, v in state.items()}
+            if strided:
+                assert not all(t.is_contiguous() for t in tensors.values())
+            torch.save(tensors, os.path.join(folder, "pytorch_model.bin"), _use_new_zipfile_serialization=not legacy)
+        folders[name] = folder
+    cases = [{"name": n, "path": p, "dtype": "float32", "out": os.path.join(workdir, f"bin_{n}.pt")}
+             for n, p in folders.items()]
+    for case, dump in zip(cases, run_torchrun(2, cases, workdir)):
+        got = dump["rank0"]
+        assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
+        plain = _plain(case["path"])
+        for name, want in plain.items():
+            assert got["state"][name].dtype == want.dtype and torch.equal(got["state"][name], want), name
+        if case["name"] == "strided":  # read in place: no whole copy of any strided tensor
+            largest = max(t.numel() for t in plain.values())
+            assert all(r["largest_allocation_numel"] < largest for r in dump["ranks"])
+
+
+def test_plain_python_without_a_launcher_loads_as_world_size_1(workdir):
+    path = make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied")
+    out = os.path.join(workdir, "no_launcher.pt")
+    code = f"""
+import torch, deepspeed, hf_zero3_loader
+from transformers import AutoModelForCausalLM
+model = hf_zero3_loader.from_pretrained(AutoModelForCausalLM, {path!r},
+                                        ds_config={{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3}}}})
+state = {{}}
+for name, p in model.named_parameters():
+    with deepspeed.zero.GatheredParameters([p]):
+        state[name] = p.detach().clone()
+torch.save({{"state": state, "world": torch.distributed.get_world_size()}}, {out!r})
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**env, "PYTHONPATH": python_path()})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "loading as a single process (world size 1)" in proc.stderr
+    got = torch.load(out)
+    assert got["world"] == 1
+    for name, want in _plain(path).items():
+        if name in got["state"]:
+            assert torch.equal(got["state"][name], want), name
