@@ -13,6 +13,16 @@ from tests.checkpoints import make_checkpoint
 from tests.conftest import ROOT, free_port, python_path
 
 
+def accelerate_launch(ds_config_file: str, script: str, *args: str) -> None:
+    """`accelerate launch --use_deepspeed --num_processes 2 --deepspeed_config_file F tests/SCRIPT ARGS`."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
+           "--deepspeed_config_file", ds_config_file, "--main_process_port", str(free_port()),
+           os.path.join(ROOT, "tests", script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
 def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
     from transformers import AutoModelForCausalLM
 
@@ -21,12 +31,7 @@ def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
     with open(config, "w") as f:
         json.dump({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}, f)
     out = os.path.join(workdir, "accelerate.pt")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
-           "--deepspeed_config_file", config, "--main_process_port", str(free_port()),
-           os.path.join(ROOT, "tests", "accelerate_script.py"), path, out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    accelerate_launch(config, "accelerate_script.py", path, out)
     got = torch.load(out, weights_only=False)
     assert got["report"]["init_context"] == "zero3-meta"
     assert "accelerate launch environment" in got["report"]["reason"]
@@ -47,12 +52,7 @@ def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdi
                    "zero_optimization": {"stage": 3},
                    "expert_parallel": {"enabled": True, "autoep_size": 2, "use_grouped_mm": False}}, f)
     out = os.path.join(workdir, "accelerate_ep.pt")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
-           "--deepspeed_config_file", config, "--main_process_port", str(free_port()),
-           os.path.join(ROOT, "tests", "accelerate_ep_script.py"), path, out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    accelerate_launch(config, "accelerate_ep_script.py", path, out)
     ranks = torch.load(out, weights_only=False)
     for rank, got in enumerate(ranks):
         assert got["report"]["init_context"] == "ep-meta", got["report"]
