@@ -202,11 +202,31 @@ class Agreement:
         except AgreedFailure:
             raise
         except Exception as e:  # the store is gone: the rank hosting it died
-            raise self._lost(phase, f"the process group's store stopped answering ({e})", error) from error
+            raise _store_lost(e) from error
         if first is None:
             return
         rank, module, qualname, message = first
         raise _agreed(_lookup(module, qualname), f"[rank {rank}] {message}", error)
+
+    def gather(self, phase: str, value: dict, needed: bool) -> list[dict] | None:
+        """Every rank publishes `value` (JSON); when any rank says `needed`, every rank gets all ranks' values (one
+        batched store read), else None: the common case costs one store round trip, whatever the world size."""
+        key = f"{self.prefix}/point{next(self.points)}"
+        try:
+            self.store.set(f"{key}/value/{self.rank}", json.dumps(value))
+            if needed:
+                self.store.add(f"{key}/needed", 1)
+            if self.store.add(f"{key}/arrived", 1) == self.world_size:
+                self.store.set(f"{key}/done", "1")
+            self._wait(f"{key}/done", phase)
+            if not self.store.add(f"{key}/needed", 0):
+                return None
+            raw = self.store.multi_get([f"{key}/value/{r}" for r in range(self.world_size)])
+        except AgreedFailure:
+            raise
+        except Exception as e:
+            raise _store_lost(e) from e
+        return [json.loads(v) for v in raw]
 
     def _compare(self, key: str, same: dict) -> BaseException | None:
         mine = {"rank": self.rank, "values": same}
@@ -225,36 +245,34 @@ class Agreement:
 
     @contextmanager
     def collective_section(self, phase: str, groups=()):
-        """Agree first, then run collectives with the groups' timeout lowered to the liveness bound; a failure
-        inside (a peer that died or stopped) becomes the same DistributedLoadError on every surviving rank."""
+        """Agree first, then run collectives (or point-to-point transfers) with the groups' timeout lowered to the
+        liveness bound. A failure inside is agreed on at once: a live rank's own error reaches every rank, a rank
+        that died or stopped inside shows as its liveness verdict, and nobody waits out a transport timeout."""
         self.check(f"before {phase}")
         if self.world_size == 1:
             yield
             return
         restore = _lower_timeouts([None, *groups], self.liveness_s + 5)
+        error = None
         try:
             yield
         except AgreedFailure:
             raise
         except Exception as e:
-            verdict = self._await_verdict(2 * self.liveness_s + 5)
-            raise self._lost(phase, verdict or f"a collective failed on rank {self.rank} ({type(e).__name__}: {e})",
-                             e) from e
+            error = e
         finally:
             restore()
+        if error is None:
+            return
+        # a peer that failed on its own reports its error at this same point: do not race it with ours
+        self.check(phase, None if isinstance(error, errors.PeerFailed) else error)
+        raise _agreed(errors.DistributedLoadError, f"[rank {self.rank}] {phase} failed: {error}", error)
 
-    def _await_verdict(self, seconds: float) -> str | None:
-        """After a failed collective: which rank died or stopped, as the watchers see it."""
-        deadline = time.monotonic() + seconds
-        key = f"{self.prefix}/verdict"
-        while time.monotonic() < deadline:
-            try:
-                if self.store.check([key]):
-                    return self.store.get(key).decode()
-            except Exception:
-                return "the process group's store stopped answering"
-            time.sleep(0.2)
-        return None
+
+def _store_lost(cause: BaseException) -> BaseException:
+    """The same message on every rank that sees it (the detail differs by rank; it stays in the cause)."""
+    return _agreed(errors.DistributedLoadError, "the process group's store stopped answering: the launcher or rank "
+                   "hosting it (on rank 0's node) is gone, or its node lost the network", cause)
 
 
 def _short(value) -> str:

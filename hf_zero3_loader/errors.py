@@ -23,3 +23,7 @@ class DistributedLoadError(LoaderError):
 
 class ConversionMismatchError(LoaderError):
     """Parameters the checkpoint should provide would be randomly initialised: its layout did not convert."""
+
+
+class PeerFailed(LoaderError):
+    """The rank this rank depended on (e.g. the one streaming its bytes) failed; it reports its own error."""

@@ -116,6 +116,10 @@ class ExpertParallelLayout:
 
     groups: ExpertParallelGroups
     sources: dict[str, SourceBox] = field(default_factory=dict)  # new model name -> box of a resolved tensor
+    # the same for every EP rank (a reader rank plans the ranks it streams to): rank-independent renames, and the
+    # boxes of each EP rank's local experts
+    renames: dict[str, SourceBox] = field(default_factory=dict)
+    boxes_by_ep_rank: dict[int, dict[str, SourceBox]] = field(default_factory=dict)
     expert_params: set[str] = field(default_factory=set)
     new_buffers: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # AutoEP's own zero buffers
     layers: list[str] = field(default_factory=list)
@@ -146,9 +150,10 @@ class ExpertParallelLayout:
         layout = cls(groups, layers=[s.moe_module_name for s in specs], num_experts=specs[0].num_experts)
         layout.local_experts = ds_private.local_expert_range(layout.num_experts, request.ep_size, groups.ep_rank)
         names_before = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
-        boxes = {}
-        for spec in specs:
-            boxes.update(layout._boxes_for(model, spec))
+        for ep_rank in range(request.ep_size):
+            local = ds_private.local_expert_range(layout.num_experts, request.ep_size, ep_rank)
+            layout.boxes_by_ep_rank[ep_rank] = {k: v for spec in specs for k, v in layout._boxes_for(model, spec, local).items()}
+        boxes = layout.boxes_by_ep_rank[groups.ep_rank]
         ds_private.replace_moe_layers(model, autoep_config, specs, request.ep_size, groups.ep_rank)
         layer_class = ds_private.autoep_layer_class()
         for name in layout.layers:
@@ -159,17 +164,19 @@ class ExpertParallelLayout:
             layout.expert_params.update(f"{name}.experts.{p}" for p, _ in layer.experts.named_parameters())
             layout.new_buffers.extend((layer, b) for b, _ in layer.named_buffers(recurse=False))
         for name, tensor in model.state_dict(keep_vars=True).items():
-            if name in boxes:
-                layout.sources[name] = boxes[name]
-            elif names_before.get(id(tensor), name) != name:  # a module AutoEP kept under another name
-                layout.sources[name] = SourceBox(names_before[id(tensor)])
+            if name not in boxes and names_before.get(id(tensor), name) != name:  # a module kept under a new name
+                layout.renames[name] = SourceBox(names_before[id(tensor)])
+        layout.sources = layout.sources_for(groups.ep_rank)
         ds_private.let_engine_accept_replaced_layers()
         return layout
 
-    def _boxes_for(self, model: torch.nn.Module, spec) -> dict[str, SourceBox]:
-        """What each AutoEP tensor of one layer is a box of, in transformers' names."""
+    def sources_for(self, ep_rank: int) -> dict[str, SourceBox]:
+        return {**self.renames, **self.boxes_by_ep_rank[ep_rank]}
+
+    def _boxes_for(self, model: torch.nn.Module, spec, local_experts: tuple[int, int]) -> dict[str, SourceBox]:
+        """What each AutoEP tensor of one layer is a box of, in transformers' names, for these local experts."""
         moe = spec.moe_module_name
-        e0, e1 = self.local_experts
+        e0, e1 = local_experts
         experts = f"{moe}.{spec.experts_name}"
         if spec.expert_storage != "fused_3d":
             raise UnsupportedConversionError(f"{moe}: AutoEP expert storage {spec.expert_storage!r} (per-expert "

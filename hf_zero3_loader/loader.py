@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -29,9 +29,11 @@ from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtyp
 from .errors import CheckpointError, ConfigError, ConversionMismatchError
 from .expert_parallel import ExpertParallelLayout, create_groups, is_requested, request_from
 from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
-from .planner.plan import (LoadPlan, check_plan_is_exact, missing_inputs, plan_tensors, resolve_checkpoint,
-                           suspicious_missing_keys)
+from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
+                           resolve_checkpoint, suspicious_missing_keys)
 from .reader import FileReader, ReadStats, run_reads
+from .streaming import (DEFAULT_CHUNK_BYTES, MODES, Peer, Streamer, checkpoint_from_bundle, collect_small_files,
+                        decide, local_checkpoint, node_id, write_stub_folder)
 from .zero3 import Zero3Partitioner
 
 logger = logging.getLogger("hf_zero3_loader")
@@ -51,6 +53,7 @@ class LoadReport:
     seconds: float = 0.0
     phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
     expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
+    stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
 
     @contextmanager
     def phase(self, name: str):
@@ -69,6 +72,8 @@ class LoadReport:
             out.update(self.plan.summary())
         if self.expert_parallel is not None:
             out["expert_parallel"] = self.expert_parallel
+        if self.stream is not None:
+            out["stream"] = self.stream
         return out
 
 
@@ -108,8 +113,10 @@ class _Zero3Load:
     """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
 
     def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
-                 allow_suspicious_missing: bool = False, keep_in_fp32: bool = False, expert_parallel=None):
+                 allow_suspicious_missing: bool = False, keep_in_fp32: bool = False, expert_parallel=None,
+                 stream=None):
         self.allow_suspicious_missing = allow_suspicious_missing
+        self.stream = stream  # StreamContext when some ranks receive their bytes from another rank
         self.expert_parallel = expert_parallel  # (ExpertParallelRequest, ExpertParallelGroups) or None
         self.reached_load = False
         self.keep_in_fp32 = keep_in_fp32
@@ -145,15 +152,21 @@ class _Zero3Load:
             world = partitioner.world_group()
             resolution = resolve_checkpoint(model, checkpoint, load_config.weight_mapping or [],
                                             load_config.dtype_plan or {})
-            group_of, sources, layout = (lambda name: world), None, None
+            layout, experts = None, None
             if self.expert_parallel is not None:  # the MoE blocks become AutoEP layers, still on meta
                 request, groups = self.expert_parallel
                 layout = ExpertParallelLayout.convert(model, request, groups)
-                group_of = layout.group_of(world, partitioner.add_group(groups.edp_name, groups.edp_group))
-                sources = layout.sources
+                experts = partitioner.add_group(groups.edp_name, groups.edp_group)
             if not load_config.ignore_mismatched_sizes:
                 self._refuse_incomplete_inputs(resolution)
-            plan = plan_tensors(model, resolution, checkpoint, group_of, world.rank, world.size, sources)
+
+            def plan_for(rank: int, world_group: PartitionGroup, expert_group, ep_rank: int) -> LoadPlan:
+                group_of, sources = (lambda name: world_group), None
+                if layout is not None:
+                    group_of, sources = layout.group_of(world_group, expert_group), layout.sources_for(ep_rank)
+                return plan_tensors(model, resolution, checkpoint, group_of, rank, world.size, sources)
+
+            plan = plan_for(world.rank, world, experts, layout.groups.ep_rank if layout else 0)
             check_plan_is_exact(plan)
             if layout is not None:
                 layout.check_loaded(plan)
@@ -162,21 +175,61 @@ class _Zero3Load:
                 self._params_in_engine_dtype(plan, load_config.dtype)
             self._refuse_broken_conversion(model, plan)
             self.report.plan = plan
+            served = {}
+            if self.stream is not None:  # the same plans the receiving ranks make for themselves
+                if world.size != self.agreement.world_size:
+                    raise ConfigError("streaming checkpoint bytes needs ZeRO-3 partitions over the whole world")
+                for rank in self.stream.layout.serves(world.rank):
+                    peer = self.stream.layout.peers[rank]
+                    expert_group = PartitionGroup(experts.name, experts.size, peer.edp_rank) if experts else None
+                    served[rank] = plan_for(rank, PartitionGroup(WORLD, world.size, rank), expert_group, peer.ep_rank)
+                source = self.stream.layout.source_of.get(world.rank)
+                for t in plan.tensors.values():
+                    if t.status == "load" and source is not None:
+                        t.byte_source = f"rank {source}"
         with self.report.phase("allocate"):
             destinations = self._allocate(model, plan, partitioner)
             if layout is not None:
                 layout.materialize_new_buffers(_local_device())
-        with self.report.phase("read"):
-            self._read(plan, checkpoint, destinations)
+        if self.stream is not None:
+            with self.report.phase("stream"):
+                edp = [self.expert_parallel[1].edp_group] if self.expert_parallel else []
+                self._stream(plan, served, checkpoint, destinations, edp)
+        if self.stream is None or self.stream.layout.reads_files(world.rank):
+            with self.report.phase("read"):
+                self._read(plan, checkpoint, destinations)
         model._weight_conversions = plan.converted_weight_mapping  # what save_pretrained reverses
         return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
+
+    def _stream(self, plan: LoadPlan, served: dict, checkpoint, destinations, groups) -> None:
+        """Readers send the ranks they serve their plans' bytes; receivers fill their partitions from them."""
+        import torch.distributed as dist
+
+        layout, rank = self.stream.layout, self.report.rank
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else _local_device()
+        streamer = Streamer(self.stream.chunk_bytes, device)
+        with self.agreement.collective_section("stream checkpoint bytes", groups):
+            if served:
+                reader = FileReader(self.report.read, checkpoint.identities)
+                try:
+                    streamer.serve(served, checkpoint, reader)
+                finally:
+                    reader.close()
+            if rank in layout.source_of:
+                streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations})
+        self.report.stream = {**layout.summary(rank), "bytes_sent": streamer.bytes_sent,
+                              "bytes_received": streamer.bytes_received,
+                              "largest_stream_buffer_bytes": streamer.largest_buffer}
 
     def _open_checkpoint(self, checkpoint_files, load_config):
         if not checkpoint_files:
             raise ConfigError(f"no checkpoint files found for {load_config.pretrained_model_name_or_path}")
         name = str(load_config.pretrained_model_name_or_path)
         check_files(name if os.path.isdir(name) else os.path.dirname(checkpoint_files[0]), checkpoint_files)
-        checkpoint = open_checkpoint(checkpoint_files, weights_only=load_config.weights_only)
+        if self.stream is not None and self.stream.bundle is not None:  # stub files: the reader's headers
+            checkpoint = checkpoint_from_bundle(self.stream.bundle, checkpoint_files)
+        else:
+            checkpoint = open_checkpoint(checkpoint_files, weights_only=load_config.weights_only)
         if load_config.sharded_metadata and "weight_map" in load_config.sharded_metadata:
             check_weight_map(load_config.sharded_metadata["weight_map"], checkpoint)
         return checkpoint
@@ -326,6 +379,8 @@ def from_pretrained(
     keep_in_fp32: bool = False,
     init_context: str = "auto",
     ep_size: int | None = None,
+    load_from: str = "auto",
+    stream_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -355,6 +410,11 @@ def from_pretrained(
         ep_size: expert parallelism: each rank owns `num_experts / ep_size` experts of every MoE layer, as DeepSpeed
             AutoEP trains them, and reads only those. Also asked for by the DeepSpeed config's `expert_parallel`
             section or transformers' `distributed_config=DistributedConfig(ep_size=...)`; they must agree.
+        load_from: "auto" (ranks that can read the checkpoint read it; the others receive their bytes from one
+            of them, on their node if possible), "read" (every rank must read), or "stream" (one reader per node,
+            the other ranks receive).
+        stream_chunk_bytes: the largest piece of checkpoint data sent at once to a receiving rank (default 64 MiB);
+            a reader holds at most two such buffers.
     """
     start = time.perf_counter()
     try:
@@ -375,7 +435,7 @@ def from_pretrained(
         model = _load_zero3(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
                             init_context=init_context, ep_size=ep_size, read_threads=read_threads,
                             budget_bytes=missing_init_budget_bytes, allow_suspicious=allow_suspicious_missing_keys,
-                            keep_in_fp32=keep_in_fp32)
+                            keep_in_fp32=keep_in_fp32, load_from=load_from, chunk_bytes=stream_chunk_bytes)
     finally:
         agreement.close()
     report = (model[0] if isinstance(model, tuple) else model).hf_zero3_load_report
@@ -422,8 +482,54 @@ def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, s
     return model
 
 
+@dataclass
+class StreamContext:
+    layout: object  # streaming.StreamLayout
+    bundle: dict | None  # the reader's small files and headers, on a rank without the files
+    chunk_bytes: int
+
+
+def _find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
+    """Which ranks can read the checkpoint; the others get the small files and write a stub folder for transformers.
+    Returns (StreamContext or None, the path and kwargs this rank loads with)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
+    ep_rank, edp_rank = 0, 0
+    if expert_parallel is not None:
+        groups = expert_parallel[1]
+        ep_rank, edp_rank = groups.ep_rank, dist.get_rank(group=groups.edp_group)
+    me = Peer(dist.get_rank(), node_id(), folder is not None, reason, ep_rank, edp_rank)
+    # through the store, no collective: when every rank can read (and nobody asks to stream), that is all
+    values = agreement.gather("find the ranks that can read the checkpoint", asdict(me),
+                              needed=not me.readable or mode == "stream")
+    if values is None:
+        return None, path, kwargs
+    peers = [Peer(**v) for v in values]
+    layout = decide(peers, mode)
+    if not layout.streaming:
+        return None, path, kwargs
+    bundle = None
+    if not all(p.readable for p in peers):
+        box = [None]
+        with agreement.collective_section("hand the config and headers to the ranks without the files"):
+            if me.rank == layout.first_reader():
+                box = [collect_small_files(folder, files)]
+            dist.broadcast_object_list(box, src=layout.first_reader())
+        if not me.readable:
+            bundle = box[0]
+            path = write_stub_folder(bundle, tempfile.mkdtemp(prefix="hf_zero3_loader_stub_"))
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision")}
+    summary = ", ".join(f"rank {r} <- rank {src}" for r, src in sorted(layout.source_of.items()))
+    if me.rank == 0:
+        logger.info("hf_zero3_loader: streaming checkpoint bytes (load_from=%r): %s", mode, summary)
+    return StreamContext(layout, bundle, chunk_bytes), path, kwargs
+
+
 def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init_context, ep_size, read_threads,
-                budget_bytes, allow_suspicious, keep_in_fp32):
+                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes):
     import torch.distributed as dist
 
     error, ep_request = None, None
@@ -439,6 +545,10 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         index = find_index(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
         if index is not None:  # transformers would fail on a malformed index with a bare KeyError/TypeError
             check_index(index)
+        if load_from not in MODES:
+            raise ConfigError(f"load_from must be one of {MODES}, got {load_from!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
+            raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
         if (ep_request is not None and init_context == "zero.Init"
                 and not (setup.config.get("expert_parallel") or {}).get("enabled")):
@@ -453,6 +563,24 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
     if init_context == "zero.Init":
         return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
                                     "requested with init_context='zero.Init'")
+    stream, original_path = None, path
+    if load_from != "read" and dist.get_world_size() > 1:
+        stream, path, kwargs = _find_readers(path, kwargs, agreement, load_from, chunk_bytes, expert_parallel)
+    try:
+        return _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel,
+                             stream, original_path, init_context=init_context, read_threads=read_threads,
+                             budget_bytes=budget_bytes, allow_suspicious=allow_suspicious, keep_in_fp32=keep_in_fp32)
+    finally:
+        if path != original_path and os.path.isdir(str(path)):  # the stub folder of a rank without the files
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel, stream,
+                  original_path, *, init_context, read_threads, budget_bytes, allow_suspicious, keep_in_fp32):
+    import torch.distributed as dist
+
     reason = f"ZeRO-3 ({setup.found_via})"
     context = "zero3-meta"
     if ep_request is not None:
@@ -463,7 +591,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
     hooks = _Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
-                       expert_parallel)
+                       expert_parallel, stream)
     error, model = None, None
     try:
         with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):
@@ -476,8 +604,15 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
                             and "meta" in str(error).lower())
     agreement.check("finish load", None if cannot_build_on_meta else error)
     if cannot_build_on_meta:
+        if stream is not None:
+            raise ConfigError("this model cannot be built on meta, and transformers' zero.Init path needs the "
+                              "checkpoint on every rank: give every rank the files, or load_from='read'")
         return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
                                     f"the model cannot be built on meta ({type(error).__name__}: {error})")
+    target = model[0] if isinstance(model, tuple) else model
+    if path != original_path:  # loaded from a stub folder: name the checkpoint as the user did
+        target.config._name_or_path = str(original_path)
+        target.name_or_path = str(original_path)
     _attach(model, report)
     return model
 

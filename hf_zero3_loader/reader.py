@@ -107,8 +107,10 @@ class FileReader:
             self._fds.clear()
 
 
-def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: torch.Tensor) -> None:
-    """Copy one ReadItem into the flat CPU tensor `dst` (a partition or buffer)."""
+def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: torch.Tensor,
+                 staging_bytes: int = STAGING_BYTES) -> None:
+    """Copy one ReadItem into the flat CPU tensor `dst` (a partition, buffer or stream chunk); no temporary buffer
+    exceeds `staging_bytes`."""
     itemsize = item.src_dtype.itemsize
     entry_start = entry.data_start
     out = dst[item.dst_offset : item.dst_offset + item.numel]
@@ -117,12 +119,12 @@ def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: to
         reader.stats.add(item.numel * itemsize)
         return
     if not item.transposed and (item.rows == 1 or item.row_stride == item.cols):  # one contiguous span
-        _read_span(reader, item.file, entry_start + item.src_offset * itemsize, item.src_dtype, out)
+        _read_span(reader, item.file, entry_start + item.src_offset * itemsize, item.src_dtype, out, staging_bytes)
         return
     # a box: `rows` runs of `cols` elements, `row_stride` apart
     box = torch.empty((item.rows, item.cols), dtype=item.src_dtype)
     gap = (item.row_stride - item.cols) * itemsize
-    if gap <= 4096 and item.rows * item.row_stride * itemsize <= STAGING_BYTES:
+    if gap <= 4096 and item.rows * item.row_stride * itemsize <= staging_bytes:
         # small gaps: one read of the covering span is faster than many tiny reads
         span = torch.empty(((item.rows - 1) * item.row_stride + item.cols,), dtype=item.src_dtype)
         reader.read_into(item.file, entry_start + item.src_offset * itemsize, span)
@@ -134,11 +136,12 @@ def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: to
     view.copy_(box.t() if item.transposed else box)
 
 
-def _read_span(reader: FileReader, path: str, offset: int, src_dtype: torch.dtype, out: torch.Tensor) -> None:
+def _read_span(reader: FileReader, path: str, offset: int, src_dtype: torch.dtype, out: torch.Tensor,
+               staging_bytes: int = STAGING_BYTES) -> None:
     if out.dtype == src_dtype:
         reader.read_into(path, offset, out)
         return
-    step = max(1, STAGING_BYTES // src_dtype.itemsize)
+    step = max(1, staging_bytes // src_dtype.itemsize)
     for i in range(0, out.numel(), step):
         piece = out[i : i + step]
         staging = torch.empty(piece.numel(), dtype=src_dtype)

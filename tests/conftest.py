@@ -41,6 +41,40 @@ def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: floa
     return [torch.load(c["out"], weights_only=False) for c in cases]
 
 
+def run_nodes(nodes: int, nproc_per_node: int, cases: list[dict], workdir: str, timeout: float = 300,
+              per_rank: bool = False) -> list:
+    """Several "nodes" on this machine: one `torchrun --nnodes N --node_rank K` launch per node (each its own agent,
+    GROUP_RANK and, through a case's `path_by_node`, its own checkpoint copy or none). Returns rank 0's dumps; with
+    `per_rank`, every rank's own dump of each case (None for a rank that died), whatever the launches returned."""
+    if per_rank:
+        cases = [{**c, "per_rank_out": True} for c in cases]
+    cases_file = os.path.join(workdir, f"nodes{nodes}x{nproc_per_node}_{abs(hash(json.dumps(cases)))}.json")
+    with open(cases_file, "w") as f:
+        json.dump(cases, f)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
+         "--nproc_per_node", str(nproc_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+         os.path.join(ROOT, "tests", "dist_worker.py"), cases_file],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in range(nodes)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outputs.append(p.communicate()[0])
+    if per_rank:
+        world = nodes * nproc_per_node
+        return [[torch.load(f"{c['out']}.rank{r}", weights_only=False) if os.path.exists(f"{c['out']}.rank{r}")
+                 else None for r in range(world)] for c in cases]
+    if any(p.returncode for p in procs):
+        raise AssertionError("node launches failed: " + " | ".join(
+            f"node {i} rc={p.returncode}: {out[-4000:]}" for i, (p, out) in enumerate(zip(procs, outputs))))
+    return [torch.load(c["out"], weights_only=False) for c in cases]
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("hfz3"))

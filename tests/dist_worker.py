@@ -134,6 +134,17 @@ def inject_fault(case: dict):
             os.kill(os.getpid(), signal.SIGSTOP)
             return real_init_missing(*args, **kwargs)
         loader.initialize_missing = initialize_missing
+    elif kind == "die_in_stream":  # a reader that dies after a few chunks: its receivers are mid-stream
+        real_execute = reader.execute_read
+        calls = [0]
+
+        def execute_read(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] > fault.get("after", 3):
+                os._exit(17)
+            return real_execute(*args, **kwargs)
+        reader.execute_read = execute_read
+        saved.append((reader, "execute_read", real_execute))
     elif kind == "replace_shard":  # after the headers were read, before the reads: an atomic rename over a shard
         real_init = reader.FileReader.__init__
 
@@ -165,6 +176,8 @@ def run_case(case: dict) -> dict:
         model_class = getattr(transformers, class_name)
     rank = str(dist.get_rank())
     case = {**case, "path": case.get("path_by_rank", {}).get(rank, case.get("path"))}
+    if "path_by_node" in case:  # several simulated nodes: each launch's GROUP_RANK picks its copy (or none)
+        case["path"] = case["path_by_node"][os.environ.get("GROUP_RANK", "0")]
     ds_config = case.get("ds_config_by_rank", {}).get(rank, case.get("ds_config") or ds_config_for(case["dtype"]))
     if case.get("max_open_files"):  # e.g. `ulimit -n 128` with a checkpoint of more shards than that
         import resource

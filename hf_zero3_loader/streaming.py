@@ -1,0 +1,393 @@
+"""Ranks without the files: reader ranks stream each rank exactly its partition bytes, in bounded chunks.
+
+Shard-on-read needs every rank to open the checkpoint. When some cannot (the model sits on one node's disk, no
+shared filesystem) or should not (a filesystem so slow per client that one reader per node is faster):
+
+1. `find_readers`: every rank reports whether it can read the checkpoint (config, index, every weight file) and on
+   which node it runs; all ranks take the same decision (`decide`): who reads, and which reader serves whom.
+   `load_from="read"` (every rank reads), `"stream"` (one reader per node, the others receive) or `"auto"` (ranks
+   that can read read; the others receive, from a reader on their node if there is one).
+2. `share_small_files`: ranks without the files get the config, generation config, index and every weight file's
+   header from the first reader (a broadcast of a few MB); they write a *stub* folder (the small files, and each
+   safetensors file as its real header followed by a hole) so transformers' own `from_pretrained` runs as usual.
+3. The plan is the same on both ends: a receiving rank plans its own partitions as if it read them, with
+   `TensorPlan.byte_source` naming its reader; the reader builds the same plan for it (`plan_for`). Both cut it into
+   the same pieces and chunks (`StreamOrder`): files in name order, at most `chunk_bytes` per chunk. The reader
+   reads a chunk into one of two staging buffers and sends it (`isend`) while it reads the next; the receiver
+   copies each piece into its partition. No buffer is larger than `chunk_bytes`, and no tensor is ever whole.
+4. Errors agree as everywhere else: each chunk is preceded by a status; a reader that fails sends "failed" to the
+   ranks waiting on it and reports its error at the next agreement point; one that dies or stops is caught by the
+   liveness verdict.
+
+Point-to-point `send`/`recv` on the default process group: gloo on CPU; on NCCL the chunks travel through device
+buffers (not tested here: one GPU was available).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from .checkpoint import (INDEX_NAMES, SAFETENSORS_DTYPES, Checkpoint, TensorEntry, _open_pickled,
+                         _pickled_fingerprint, _read_header)
+from .errors import CheckpointError, ConfigError, LoaderError, PeerFailed
+from .planner.plan import LoadPlan, ReadItem
+
+MODES = ("auto", "read", "stream")
+DEFAULT_CHUNK_BYTES = 64 << 20
+SMALL_FILE_BYTES = 8 << 20  # non-weight files a reader hands over (config, generation config, index, code)
+OK, FAILED = 0, 1
+
+
+# -- who can read ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Peer:
+    """What a rank tells the others before the load."""
+
+    rank: int
+    node: str
+    readable: bool
+    reason: str = ""
+    ep_rank: int = 0
+    edp_rank: int = 0
+
+
+def node_id() -> str:
+    """Ranks on one node share its storage. torchrun's GROUP_RANK tells nodes apart (also several simulated nodes on
+    one machine); otherwise the host name."""
+    group = os.environ.get("GROUP_RANK")
+    return f"{socket.gethostname()}#{group}" if group is not None else socket.gethostname()
+
+
+def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None) -> tuple[str | None, list[str], str]:
+    """(folder, weight files, "") when this rank can read the whole checkpoint here, else (None, [], why not)."""
+    if os.path.isdir(path):
+        folder = os.path.join(path, subfolder)
+    else:
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = os.path.join(snapshot_download(path, revision=revision, local_files_only=True), subfolder)
+        except Exception:
+            return None, [], f"{path} is neither a folder here nor in the local hub cache"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return None, [], f"no config.json in {folder}"
+    files = []
+    for index_name in INDEX_NAMES:
+        index = os.path.join(folder, index_name)
+        if os.path.isfile(index):
+            import json
+
+            with open(index) as f:
+                files = sorted({os.path.join(folder, v) for v in json.load(f).get("weight_map", {}).values()})
+            break
+    else:
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if os.path.isfile(os.path.join(folder, single)):
+                files = [os.path.join(folder, single)]
+                break
+    if not files:
+        return None, [], f"no weight files found in {folder}"
+    for f in files:
+        if not (os.path.isfile(f) and os.access(f, os.R_OK)):
+            return None, [], f"cannot read {f}"
+    return folder, files, ""
+
+
+@dataclass
+class StreamLayout:
+    """Who reads and who receives from whom; the same on every rank."""
+
+    mode: str  # "read" (nobody streams) or "stream"
+    peers: list[Peer]
+    source_of: dict[int, int] = field(default_factory=dict)  # receiving rank -> the rank that streams to it
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.source_of)
+
+    def serves(self, rank: int) -> list[int]:
+        return sorted(r for r, src in self.source_of.items() if src == rank)
+
+    def reads_files(self, rank: int) -> bool:
+        return rank not in self.source_of
+
+    def first_reader(self) -> int:
+        return min(p.rank for p in self.peers if p.rank not in self.source_of)
+
+    def summary(self, rank: int) -> dict:
+        out = {"mode": self.mode, "reads_files": self.reads_files(rank)}
+        if rank in self.source_of:
+            out["receives_from"] = self.source_of[rank]
+        if self.serves(rank):
+            out["streams_to"] = self.serves(rank)
+        return out
+
+
+def decide(peers: list[Peer], mode: str) -> StreamLayout:
+    """Readers and receivers from what each rank reported (a pure function: every rank computes the same)."""
+    if mode not in MODES:
+        raise ConfigError(f"load_from must be one of {MODES}, got {mode!r}")
+    readable = [p for p in peers if p.readable]
+    unreadable = [p for p in peers if not p.readable]
+    if mode == "read" or (mode == "auto" and (not unreadable or not readable)):
+        if mode == "read" and unreadable and readable:
+            raise CheckpointError(
+                "load_from='read', but ranks " + ", ".join(str(p.rank) for p in unreadable) + " cannot read the "
+                f"checkpoint ({unreadable[0].reason}); pass load_from='auto' to stream to them from the others")
+        return StreamLayout("read", peers)  # all read (or none can: the read path reports what is wrong)
+    if not readable:
+        raise CheckpointError("no rank can read the checkpoint: " + "; ".join(f"rank {p.rank}: {p.reason}"
+                                                                              for p in peers[:4]))
+    if mode == "auto":
+        readers = [p.rank for p in readable]
+    else:  # one reader per node: the lowest rank there that can read
+        first_on_node: dict[str, int] = {}
+        for p in readable:
+            first_on_node.setdefault(p.node, p.rank)
+        readers = sorted(first_on_node.values())
+    node_of = {p.rank: p.node for p in peers}
+    load = {r: 0 for r in readers}
+    source_of = {}
+    for p in peers:
+        if p.rank in load:
+            continue
+        near = [r for r in readers if node_of[r] == p.node]
+        choice = min(near or readers, key=lambda r: (load[r], r))  # same node first, then the least loaded
+        source_of[p.rank] = choice
+        load[choice] += 1
+    return StreamLayout("stream", peers, source_of)
+
+
+# -- the small files, for ranks without the checkpoint ---------------------------------------------------------------
+
+def collect_small_files(folder: str, files: list[str]) -> dict:
+    """What a rank without the files needs to run transformers' from_pretrained and plan: the non-weight files, and
+    each weight file's header (safetensors) or tensor list (pickle), with this reader's fingerprints."""
+    weight_names = {os.path.basename(f) for f in files}
+    small = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name in weight_names or not os.path.isfile(path) or os.path.getsize(path) > SMALL_FILE_BYTES:
+            continue
+        if name.endswith((".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")):
+            continue
+        with open(path, "rb") as f:
+            small[name] = f.read()
+    weights = {}
+    for path in files:
+        name = os.path.basename(path)
+        if name.endswith(".safetensors"):
+            header, data_start, identity, fingerprint = _read_header(path)
+            with open(path, "rb") as f:
+                raw = f.read(data_start)
+            weights[name] = {"header": raw, "size": identity.size, "fingerprint": fingerprint}
+        else:
+            _, fingerprint, _ = _pickled_fingerprint(path)
+            tensors = [(k, str(e.dtype).removeprefix("torch."), e.shape) for k, e in _open_pickled(path, True).items()]
+            weights[name] = {"tensors": tensors, "fingerprint": fingerprint}
+    return {"small": small, "weights": weights}
+
+
+def write_stub_folder(bundle: dict, folder: str) -> str:
+    """The checkpoint as transformers expects to find it, without tensor data: small files as they are, each
+    safetensors file as its header followed by a hole of the data's size, each pickle as an empty file."""
+    os.makedirs(folder, exist_ok=True)
+    for name, data in bundle["small"].items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    for name, info in bundle["weights"].items():
+        with open(os.path.join(folder, name), "wb") as f:
+            if "header" in info:
+                f.write(info["header"])
+                f.truncate(info["size"])
+    return folder
+
+
+def checkpoint_from_bundle(bundle: dict, files: list[str]) -> Checkpoint:
+    """The checkpoint's entries and fingerprints as the reader sees them, for a rank whose files are stubs."""
+    from .checkpoint import _parse_header
+
+    by_name = {os.path.basename(f): f for f in files}
+    checkpoint = Checkpoint(files=list(files), entries={}, header_bytes=0, metadata={})
+    for name, info in bundle["weights"].items():
+        path = by_name.get(name, name)
+        checkpoint.fingerprints[name] = info["fingerprint"]
+        if "header" in info:
+            raw = info["header"]
+            (n,) = struct.unpack("<Q", raw[:8])
+            header = _parse_header(path, raw[8:8 + n])
+            checkpoint.header_bytes += len(raw)
+            checkpoint.metadata.update(header.get("__metadata__") or {})
+            for key, meta in header.items():
+                if key != "__metadata__":
+                    checkpoint.entries[key] = TensorEntry(key, path, SAFETENSORS_DTYPES[meta["dtype"]],
+                                                          tuple(meta["shape"]), len(raw) + meta["data_offsets"][0])
+        else:
+            for key, dtype, shape in info["tensors"]:
+                checkpoint.entries[key] = TensorEntry(key, path, getattr(torch, dtype), tuple(shape), 0)
+    return checkpoint
+
+
+# -- the stream: the same pieces and chunks on both ends -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [r0, r1) x cols [c0, c1) of one ReadItem's box, at `offset` in its chunk."""
+
+    tensor: str
+    item: ReadItem
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.r1 - self.r0) * (self.c1 - self.c0) * self.item.src_dtype.itemsize
+
+    def source(self) -> ReadItem:
+        """The sub-box to read, row-major, untransposed."""
+        i = self.item
+        return ReadItem(i.file, i.key, i.src_dtype, i.src_offset + self.r0 * i.row_stride + self.c0, self.r1 - self.r0,
+                        self.c1 - self.c0, i.row_stride, 0)
+
+    def place(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the piece's bytes (`data`, source dtype) into the partition `out` (cast as transformers casts)."""
+        i = self.item
+        part = data.view(self.r1 - self.r0, self.c1 - self.c0)
+        dst = out[i.dst_offset:i.dst_offset + i.numel]
+        if i.transposed:
+            dst.view(i.cols, i.rows)[self.c0:self.c1, self.r0:self.r1].copy_(part.t())
+        else:
+            dst.view(i.rows, i.cols)[self.r0:self.r1, self.c0:self.c1].copy_(part)
+
+
+def stream_chunks(plan: LoadPlan, chunk_bytes: int) -> list[tuple[str, list[list[Piece]]]]:
+    """[(file name, chunks of pieces)], files in name order; a chunk never spans two files nor exceeds chunk_bytes.
+    Both the reader and the receiver compute this from the receiver's plan."""
+    by_file: dict[str, list[tuple[str, ReadItem]]] = {}
+    for t in plan.tensors.values():
+        if t.status == "load":
+            for item in t.reads:
+                by_file.setdefault(os.path.basename(item.file), []).append((t.name, item))
+    out = []
+    for name in sorted(by_file):
+        chunks, current, used = [], [], 0
+        for tensor, item in by_file[name]:
+            size = item.src_dtype.itemsize
+            for r0, r1, c0, c1 in _split(item, chunk_bytes):
+                nbytes = (r1 - r0) * (c1 - c0) * size
+                start = -(-used // 8) * 8  # 8-byte aligned, so each piece can be viewed as its dtype
+                if current and start + nbytes > chunk_bytes:
+                    chunks.append(current)
+                    current, start = [], 0
+                current.append(Piece(tensor, item, r0, r1, c0, c1, start))
+                used = start + nbytes
+        if current:
+            chunks.append(current)
+        out.append((name, chunks))
+    return out
+
+
+def _split(item: ReadItem, chunk_bytes: int):
+    """Sub-boxes of at most chunk_bytes: whole rows when a row fits, else pieces of one row."""
+    row_bytes = item.cols * item.src_dtype.itemsize
+    if row_bytes <= chunk_bytes:
+        step = max(1, chunk_bytes // max(row_bytes, 1))
+        for r0 in range(0, item.rows, step):
+            yield r0, min(item.rows, r0 + step), 0, item.cols
+        return
+    step = max(1, chunk_bytes // item.src_dtype.itemsize)
+    for r in range(item.rows):
+        for c0 in range(0, item.cols, step):
+            yield r, r + 1, c0, min(item.cols, c0 + step)
+
+
+def _chunk_size(chunk: list[Piece]) -> int:
+    return chunk[-1].offset + chunk[-1].nbytes
+
+
+class Streamer:
+    """Point-to-point chunks on the default process group, through at most two buffers of `chunk_bytes` each."""
+
+    def __init__(self, chunk_bytes: int, device: torch.device):
+        if chunk_bytes < 64:
+            raise ConfigError(f"stream_chunk_bytes must be at least 64, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.device = device  # where chunks travel: the CPU for gloo, the accelerator for NCCL
+        self.largest_buffer = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _buffer(self, nbytes: int, device=None) -> torch.Tensor:
+        self.largest_buffer = max(self.largest_buffer, nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device or self.device)
+
+    def serve(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_reader) -> None:
+        """Send each receiving rank its plan's bytes: file by file, receiver by receiver, chunk by chunk, reading
+        the next chunk while the previous one is on the wire. On a failure, tell every receiver still waiting."""
+        import torch.distributed as dist
+
+        from .reader import execute_read
+
+        streams = {rank: dict(stream_chunks(plan, self.chunk_bytes)) for rank, plan in plans.items()}
+        remaining = {rank: sum(len(c) for c in s.values()) for rank, s in streams.items()}
+        files = sorted({name for s in streams.values() for name in s})
+        buffers = [self._buffer(self.chunk_bytes, "cpu") for _ in range(2)]
+        in_flight: list[list] = [[], []]  # per buffer: its sends (and the tensors they send, kept alive)
+        turn = 0
+        try:
+            for name in files:
+                for rank in sorted(plans):
+                    for chunk in streams[rank].get(name, []):
+                        for work in in_flight[turn][:2]:
+                            work.wait()
+                        buf = buffers[turn]
+                        for piece in chunk:
+                            view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+                            execute_read(file_reader, piece.source(), checkpoint.entries[piece.item.key], view,
+                                         staging_bytes=self.chunk_bytes)
+                        size = _chunk_size(chunk)
+                        payload = buf[:size] if self.device.type == "cpu" else buf[:size].to(self.device)
+                        status = torch.tensor([OK, size], dtype=torch.int64, device=self.device)
+                        in_flight[turn] = [dist.isend(status, rank), dist.isend(payload, rank), status, payload]
+                        self.bytes_sent += sum(p.nbytes for p in chunk)  # checkpoint bytes, not the padding
+                        remaining[rank] -= 1
+                        turn = 1 - turn
+            for sends in in_flight:
+                for work in sends[:2]:
+                    work.wait()
+        except BaseException:
+            for rank in sorted(r for r, left in remaining.items() if left):  # it waits for a status: tell it
+                try:
+                    dist.send(torch.tensor([FAILED, 0], dtype=torch.int64, device=self.device), rank)
+                except Exception:
+                    pass
+            raise
+
+    def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor]) -> None:
+        """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`)."""
+        import torch.distributed as dist
+
+        buf = self._buffer(self.chunk_bytes)
+        status = torch.empty(2, dtype=torch.int64, device=self.device)
+        for _, chunks in stream_chunks(plan, self.chunk_bytes):
+            for chunk in chunks:
+                dist.recv(status, source)
+                if int(status[0]) != OK:
+                    raise PeerFailed(f"rank {source}, which streams this rank's checkpoint bytes, failed")
+                size = _chunk_size(chunk)
+                if int(status[1]) != size:
+                    raise LoaderError(f"internal error: rank {source} sent {int(status[1])} bytes, {size} expected")
+                dist.recv(buf[:size], source)
+                self.bytes_received += sum(p.nbytes for p in chunk)
+                for piece in chunk:
+                    data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+                    piece.place(data, destinations[piece.tensor])
