@@ -94,16 +94,24 @@ def check_supported(setup: DeepSpeedSetup) -> None:
                           "by hf_zero3_loader; use offload_param.device='cpu' or none")
 
 
-def resolve_dtype(setup: DeepSpeedSetup, requested) -> torch.dtype | str:
-    """Partitions must be in the engine's dtype: a conflicting explicit `dtype` is an error, not an override."""
+def resolve_dtype(setup: DeepSpeedSetup, requested, strict: bool = False) -> torch.dtype | str:
+    """The dtype parameters are loaded in: the engine's. DeepSpeed holds (and transformers' own ZeRO-3 path casts)
+    every parameter in the engine's dtype whatever `dtype` says, so a different explicit `dtype` is overridden with a
+    warning (TRL passes `dtype=torch.float32` by default), or refused with `strict_dtype=True`."""
+    from . import log
+
     if isinstance(requested, str) and requested != "auto":
         requested = getattr(torch, requested)
     engine = setup.dtype
     if engine is None:
         return requested if requested is not None else "auto"
     if requested not in (None, "auto") and requested != engine:
-        raise ConfigError(
-            f"dtype={requested} conflicts with the DeepSpeed config, which trains in {engine} "
-            f"({setup.found_via}); ZeRO-3 partitions must be in the engine's dtype. Drop `dtype` or change the config."
-        )
+        if strict:
+            raise ConfigError(
+                f"dtype={requested} conflicts with the DeepSpeed config, which trains in {engine} "
+                f"({setup.found_via}) (strict_dtype=True). Drop `dtype` or change the config.")
+        log.warning_once(f"dtype {requested} {engine}",
+                         "dtype=%s is overridden: DeepSpeed trains in %s (%s), and ZeRO holds every parameter in the "
+                         "engine's dtype, as transformers' own ZeRO-3 path does. Pass strict_dtype=True to make this "
+                         "an error.", requested, engine, setup.found_via)
     return engine

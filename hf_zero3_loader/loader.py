@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import time
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from . import _transformers_private as hf_private
+from . import log
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_files, check_index, check_weight_map, find_index, open_checkpoint
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
@@ -36,7 +36,6 @@ from .streaming import (DEFAULT_CHUNK_BYTES, MODES, Peer, Streamer, checkpoint_f
                         decide, local_checkpoint, node_id, write_stub_folder)
 from .zero3 import Zero3Partitioner
 
-logger = logging.getLogger("hf_zero3_loader")
 
 
 @dataclass
@@ -103,7 +102,7 @@ def _ensure_distributed() -> None:
             port = sock.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-        logger.warning("hf_zero3_loader: no launcher environment (RANK, WORLD_SIZE, ...): loading as a single process "
+        log.warning("no launcher environment (RANK, WORLD_SIZE, ...): loading as a single process "
                        "(world size 1). For several ranks run `torchrun --nproc_per_node N your_script.py` or "
                        "`accelerate launch --use_deepspeed --num_processes N your_script.py`.")
     deepspeed.init_distributed()
@@ -312,7 +311,7 @@ class _Zero3Load:
         for name, _ in changed:
             plan.tensors[name].dtype = engine_dtype
         if changed and self.report.rank == 0:
-            logger.warning(
+            log.warning(
                 "%d parameters that a plain load keeps in another dtype (e.g. %s: %s, from `_keep_in_fp32_modules` "
                 "or the model) are loaded in %s: DeepSpeed ZeRO-3 holds all trainable parameters in the engine's "
                 "dtype. Pass `keep_in_fp32=True` to keep the plain load's dtypes (then freeze those parameters "
@@ -381,6 +380,7 @@ def from_pretrained(
     ep_size: int | None = None,
     load_from: str = "auto",
     stream_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    strict_dtype: bool = False,
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -415,6 +415,8 @@ def from_pretrained(
             the other ranks receive).
         stream_chunk_bytes: the largest piece of checkpoint data sent at once to a receiving rank (default 64 MiB);
             a reader holds at most two such buffers.
+        strict_dtype: refuse a `dtype` that differs from the DeepSpeed config's (by default the engine's dtype wins,
+            with a warning, as in transformers' own ZeRO-3 path).
     """
     start = time.perf_counter()
     try:
@@ -426,7 +428,7 @@ def from_pretrained(
         _share_and_raise(e, "read the DeepSpeed config", agreement_timeout_s, liveness_timeout_s)
     if not zero3:
         return _load_without_zero3(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, ep_size,
-                                   start)
+                                   start, strict_dtype)
     began = time.perf_counter()
     _ensure_distributed()
     init_distributed_s = time.perf_counter() - began
@@ -435,12 +437,16 @@ def from_pretrained(
         model = _load_zero3(model_class, pretrained_model_name_or_path, model_args, kwargs, setup, agreement,
                             init_context=init_context, ep_size=ep_size, read_threads=read_threads,
                             budget_bytes=missing_init_budget_bytes, allow_suspicious=allow_suspicious_missing_keys,
-                            keep_in_fp32=keep_in_fp32, load_from=load_from, chunk_bytes=stream_chunk_bytes)
+                            keep_in_fp32=keep_in_fp32, load_from=load_from, chunk_bytes=stream_chunk_bytes,
+                            strict_dtype=strict_dtype)
     finally:
         agreement.close()
     report = (model[0] if isinstance(model, tuple) else model).hf_zero3_load_report
     report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
     report.seconds = time.perf_counter() - start - init_distributed_s
+    log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %.1f MiB%s", pretrained_model_name_or_path,
+             report.world_size, report.seconds, report.init_context, report.reason, report.read.bytes_read / 2**20,
+             f", received {report.stream['bytes_received'] / 2**20:.1f} MiB" if report.stream else "")
     return model
 
 
@@ -461,7 +467,7 @@ def _share_and_raise(error: BaseException, phase: str, join_timeout_s, liveness_
     raise error  # not reached: check raises the agreed error
 
 
-def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, start):
+def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, start, strict_dtype=False):
     """No ZeRO-3 (no DeepSpeed config, or ZeRO-1/2): every rank holds the whole model; transformers loads it on meta
     and straight onto the rank's device."""
     if setup is not None and is_requested(setup.config, ep_size, kwargs.get("distributed_config")):
@@ -471,9 +477,9 @@ def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, s
         raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config; without DeepSpeed use transformers' "
                           "distributed_config=DistributedConfig(ep_size=...)")
     reason = "no DeepSpeed config found" if setup is None else f"ZeRO stage {setup.stage} ({setup.found_via})"
-    logger.info("hf_zero3_loader: init context 'meta' (%s): loading onto the local device with transformers", reason)
+    log.info("init context 'meta' (%s): loading onto the local device with transformers", reason)
     if setup is not None:
-        kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)))
+        kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         kwargs.setdefault("device_map", {"": _local_device()})
     with hf_private.hidden_hf_zero3():
@@ -524,12 +530,12 @@ def _find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
             kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision")}
     summary = ", ".join(f"rank {r} <- rank {src}" for r, src in sorted(layout.source_of.items()))
     if me.rank == 0:
-        logger.info("hf_zero3_loader: streaming checkpoint bytes (load_from=%r): %s", mode, summary)
+        log.info("streaming checkpoint bytes (load_from=%r): %s", mode, summary)
     return StreamContext(layout, bundle, chunk_bytes), path, kwargs
 
 
 def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init_context, ep_size, read_threads,
-                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes):
+                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes, strict_dtype):
     import torch.distributed as dist
 
     error, ep_request = None, None
@@ -537,7 +543,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         if kwargs.get("device_map") is not None:
             raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition "
                               "itself")
-        kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+        kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
         distributed_config = kwargs.pop("distributed_config", None)  # its expert parallelism is ours to build
         check_supported(setup)
         if init_context not in ("auto", "meta", "zero.Init"):
@@ -586,7 +592,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     if ep_request is not None:
         context, reason = "ep-meta", f"{reason}, expert parallel size {ep_request.ep_size} ({ep_request.asked_via})"
     report = LoadReport(context, reason, rank=dist.get_rank(), world_size=dist.get_world_size())
-    logger.info("hf_zero3_loader: init context '%s' (%s): each rank reads its own partitions", context, reason)
+    log.info("init context '%s' (%s): each rank reads its own partitions", context, reason)
     if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
@@ -622,7 +628,7 @@ def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import deepspeed_config, unset_hf_deepspeed_config
 
-    logger.warning("hf_zero3_loader: init context 'zero.Init' (%s): using transformers' ZeRO-3 path", reason)
+    log.warning("init context 'zero.Init' (%s): using transformers' ZeRO-3 path", reason)
     own_config = HfDeepSpeedConfig(setup.config) if deepspeed_config() is None else None
     error, model = None, None
     try:

@@ -134,12 +134,12 @@ def ds_config(ep_size: int) -> dict:
     return {**DS_CONFIG, "expert_parallel": {"enabled": True, "autoep_size": ep_size}}
 
 
-def load_ours(path: str, config: dict):
+def load_ours(path: str, config: dict, **kwargs):
     from transformers import AutoModelForCausalLM
 
     import hf_zero3_loader
 
-    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config)
+    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config, **kwargs)
 
 
 def load_upstream(path: str, config: dict):
@@ -275,7 +275,7 @@ def compare(meta: dict, tensors: dict, other: str) -> dict:
 # -- main ------------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=("ours", "upstream", "floor"), required=True)
+    ap.add_argument("--variant", choices=("ours", "upstream", "floor", "stream"), required=True)
     ap.add_argument("--path", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--spans-out")
@@ -335,7 +335,10 @@ def main() -> None:
             model = None
         else:
             with counter, st_bytes:
-                model = (load_ours if args.variant == "ours" else load_upstream)(args.path, config)
+                if args.variant == "stream":  # one reader (rank 0, this node's) streams every other rank its bytes
+                    model = load_ours(args.path, config, load_from="stream")
+                else:
+                    model = (load_ours if args.variant == "ours" else load_upstream)(args.path, config)
                 if args.ep_size:
                     result["load_seconds"] = time.perf_counter() - start
                     engine = initialize(model, config)
@@ -364,7 +367,7 @@ def main() -> None:
         result["bytes_read"] = sum(n for _, _, n in spans)
     elif args.variant == "upstream":
         result["bytes_read"] = result["rchar"] + st_bytes.bytes
-    elif args.variant == "ours":
+    elif args.variant in ("ours", "stream"):
         summary = model.hf_zero3_load_report.summary()
         result["report"] = summary
         result["bytes_read"] = summary["bytes_read"]

@@ -46,10 +46,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import REPO, MiB, launch, log_tail, make_checkpoint, table, warm_page_cache  # noqa: E402
 
-VARIANTS = ("ours", "floor", "upstream")  # ours first: the floor reads the byte ranges ours planned
+VARIANTS = ("ours", "floor", "upstream", "stream")  # ours first: the floor reads the byte ranges ours planned
 
 
-def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False) -> dict:
+def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False,
+              stream: bool = False) -> dict:
     """Every variant `repeats` times, interleaved (ours, floor, upstream, ours, ...); keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
@@ -57,7 +58,7 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
     """
     d = os.path.join(workdir, f"w{world}{'_ep' if ep else ''}")
     os.makedirs(d, exist_ok=True)
-    variants = ("ours", "upstream") if ep else VARIANTS
+    variants = ("ours", "upstream") if ep else VARIANTS if stream else VARIANTS[:3]
     out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
                  "ep_size": world if ep else None}
     for rep in range(repeats):
@@ -75,7 +76,7 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
                 args += ["--state-out", os.path.join(d, "ours")]
             elif variant == "floor":
                 args += ["--spans-in", os.path.join(d, "spans.json")]
-            elif variant == "upstream" and check:
+            elif variant in ("upstream", "stream") and check:
                 args += ["--compare-with", os.path.join(d, "ours")]
             warm_page_cache(ckpt)
             log = os.path.join(d, f"{variant}.{rep}.log")
@@ -137,6 +138,11 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
         ratios["_collective"] = (c_up, c_ours)
     if t_ours and t_floor:
         ratios["ours/floor time (slowest rank)"] = t_ours / t_floor
+    t_stream = worst("stream", "seconds")
+    if t_ours and t_stream:
+        ratios["stream/ours time (slowest rank)"] = t_stream / t_ours
+        if t_up:
+            ratios["upstream/stream time (slowest rank)"] = t_up / t_stream
     lines.append("ratios:")
     for k, v in ratios.items():
         if k == "_collective":
@@ -188,6 +194,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="launches per variant and world size (median reported)")
     ap.add_argument("--ep", action="store_true", help="also run expert parallelism (ep_size = world size)")
     ap.add_argument("--ep-only", action="store_true", help="run only the expert parallelism rows")
+    ap.add_argument("--stream", action="store_true",
+                    help="also run load_from='stream': rank 0 reads and streams every other rank its bytes")
     args = ap.parse_args()
 
     start = time.perf_counter()
@@ -219,7 +227,7 @@ def main() -> None:
     for ep in modes:
         for world in worlds:
             run = run_world(world, ckpt, workdir, verify=world == verify_world, timeout=args.timeout,
-                            repeats=args.repeats, ep=ep)
+                            repeats=args.repeats, ep=ep, stream=args.stream)
             text, summary = summarize(world, run, ckpt_bytes)
             run.update(summary)
             report["worlds"][f"{world}{'_ep' if ep else ''}"] = run

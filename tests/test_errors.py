@@ -204,8 +204,9 @@ CASES = {
                       {}, None, "ConfigError", ["expert parallelism with ZeRO stage 2"]),
     "ep_missing_expert_weights": ("no_experts", None, {"ep_size": 1}, None, "ConfigError",
                                   ["needs every MoE router and expert weight", "experts.w1", "gate_up_proj: missing"]),
-    "dtype_conflicts_with_config": ("good", _stage3(bf16={"enabled": True}), {"dtype": "float16"}, None,
-                                    "ConfigError", ["conflicts", "bfloat16"]),
+    "dtype_conflicts_with_config_strict": ("good", _stage3(bf16={"enabled": True}),
+                                           {"dtype": "float16", "strict_dtype": True}, None,
+                                           "ConfigError", ["conflicts", "bfloat16", "strict_dtype=True"]),
     "device_map_with_zero3": ("good", None, {"device_map": "auto"}, None, "ConfigError",
                               ["device_map", "ZeRO-3"]),
     # safetensors' own header rules, each refusal naming the file and the tensor
