@@ -444,9 +444,9 @@ def from_pretrained(
     report = (model[0] if isinstance(model, tuple) else model).hf_zero3_load_report
     report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
     report.seconds = time.perf_counter() - start - init_distributed_s
-    log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %.1f MiB%s", pretrained_model_name_or_path,
-             report.world_size, report.seconds, report.init_context, report.reason, report.read.bytes_read / 2**20,
-             f", received {report.stream['bytes_received'] / 2**20:.1f} MiB" if report.stream else "")
+    log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %s%s", pretrained_model_name_or_path,
+             report.world_size, report.seconds, report.init_context, report.reason, log.size(report.read.bytes_read),
+             f", received {log.size(report.stream['bytes_received'])}" if report.stream else "")
     return model
 
 
@@ -592,7 +592,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     if ep_request is not None:
         context, reason = "ep-meta", f"{reason}, expert parallel size {ep_request.ep_size} ({ep_request.asked_via})"
     report = LoadReport(context, reason, rank=dist.get_rank(), world_size=dist.get_world_size())
-    log.info("init context '%s' (%s): each rank reads its own partitions", context, reason)
+    log.debug("init context '%s' (%s): each rank reads its own partitions", context, reason)
     if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))

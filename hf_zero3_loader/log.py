@@ -40,6 +40,11 @@ def _configure() -> None:
     logger.setLevel(level if _rank() == 0 else max(level, logging.WARNING))
 
 
+def debug(message: str, *args) -> None:
+    _configure()
+    logger.debug(message, *args)
+
+
 def info(message: str, *args) -> None:
     _configure()
     logger.info(message, *args)
@@ -56,3 +61,10 @@ def warning_once(key: str, message: str, *args) -> None:
         return
     _warned.add(key)
     warning(message, *args)
+
+
+def size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

@@ -131,3 +131,30 @@ def ep_config(family: str):
                                        bos_token_id=1, eos_token_id=2, index_n_heads=1, index_head_dim=8,
                                        index_block_size=4)
     raise ValueError(family)
+
+
+def add_word_tokenizer(path: str, vocab_size: int) -> str:
+    """A word-level tokenizer (`w3` ... `w{vocab_size-1}`, pad 0, eos 1, unk 2) saved next to a checkpoint: what TRL and
+    the Trainer load from the model path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                            unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def trainable_moe_config():
+    """A small Qwen3-MoE whose sizes are multiples of 8: transformers' grouped-GEMM experts on CPU need 16-byte
+    strides, so the default (not eager) experts run as they would for a user."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=101, hidden_size=32, head_dim=16, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=None)
