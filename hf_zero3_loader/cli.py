@@ -1,39 +1,159 @@
-"""Command line: `hf-zero3-loader plan CHECKPOINT --world-size W` shows what each rank would read.
+"""Command line: `hf-zero3-loader plan CHECKPOINT --world-size W` shows what each rank reads and whether it fits.
 
+`hf-zero3-loader verify CHECKPOINT --world-size W` runs a real load and compares it with the plain one.
 `hf-zero3-loader bench ...` runs scripts/bench_load.py (upstream vs ours, side by side).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 
 
+def _ep_candidates(world: int, num_experts: int) -> list[int]:
+    return [e for e in range(1, world + 1) if world % e == 0 and num_experts % e == 0]
+
+
+def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds_config: dict | None = None,
+                device_memory: float | None = None, device: str = "cuda", model_class=None, show_ranks: int = 8) -> dict:
+    """Everything `plan` prints, as a dict (what `--json` writes). Reads only the config and the headers."""
+    from .expert_parallel import supported_model_types
+    from .planner.inspect import plan_ranks
+    from .planner.memory import GiB, predict
+
+    ds_config = ds_config or {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    ranks = sorted({*range(min(world_size, show_ranks)), world_size - 1})
+    plans, model, checkpoint_, resolution, layout = plan_ranks(checkpoint, world_size, ranks=ranks,
+                                                               model_class=model_class, ep_size=ep_size,
+                                                               with_model=True)
+    from .planner.inspect import meta_skeleton
+    from .planner.memory import layer_params
+
+    total = sum(e.numel for e in checkpoint_.entries.values())
+    largest_full = layer_params(meta_skeleton(checkpoint, model_class)[0] if layout else model)[0]
+    prediction = predict(plans, model, ds_config, checkpoint_.nbytes, total, largest_full, ep_size or 1, device)
+    model_type = getattr(model.config, "model_type", "?")
+    warnings = []
+    ops = sorted({type(op).__name__ for c in resolution.used_mapping for op in getattr(c, "operations", [])})
+    first = plans[0]
+    if first.missing_keys:
+        warnings.append(f"{len(first.missing_keys)} model tensors are not in the checkpoint (initialised at load)")
+    if first.unexpected_keys:
+        warnings.append(f"{len(first.unexpected_keys)} checkpoint tensors are not used by the model")
+    smallest_ep = None
+    if device_memory is not None and not prediction.fits(device_memory):
+        if model_type in supported_model_types():
+            from .expert_parallel import ExpertParallelLayout  # noqa: F401  (only to say EP is possible)
+
+            num_experts = _num_experts(model.config)
+            for e in _ep_candidates(world_size, num_experts or 1):
+                if e <= (ep_size or 1):
+                    continue
+                trial = plan_report(checkpoint, world_size, e, ds_config, None, device, model_class, show_ranks=1)
+                if trial["train"]["device_bytes"] <= device_memory * GiB:
+                    smallest_ep = e
+                    break
+        else:
+            warnings.append(f"model type {model_type!r} has no DeepSpeed AutoEP preset: expert parallelism cannot "
+                            "shrink its largest gather")
+    if ep_size and not layout:
+        warnings.append("ep_size given but no MoE layer was converted")
+    return {
+        "checkpoint": checkpoint, "model_type": model_type, "world_size": world_size, "ep_size": ep_size or 1,
+        "device": device, "checkpoint_bytes": checkpoint_.nbytes, "parameters": prediction.total_params,
+        "conversions": ops, "warnings": warnings,
+        "ranks": [{"rank": p.rank, "bytes_to_read": p.bytes_to_read, "read_items": sum(len(t.reads) for t in p.tensors.values()),
+                   "load_ours_host_bytes": prediction.load_ours_host[i], "load_ours_device_bytes": prediction.load_ours_device[i],
+                   "load_upstream_host_bytes": prediction.load_upstream_host[i],
+                   "load_upstream_device_bytes": prediction.load_upstream_device[i]} for i, p in enumerate(plans)],
+        "train": {"device_bytes": prediction.train_device, "host_bytes_per_node": prediction.train_host_per_node,
+                  "largest_layer": prediction.largest_layer, "largest_layer_params": prediction.largest_layer_params,
+                  "largest_gather_bytes": prediction.largest_gather_bytes},
+        "device_memory_bytes": None if device_memory is None else int(device_memory * GiB),
+        "fits": prediction.fits(device_memory), "smallest_ep_size_that_fits": smallest_ep,
+    }
+
+
+def _num_experts(config) -> int | None:
+    for attr in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _gib(nbytes: int) -> str:
+    from .log import size
+
+    return size(nbytes)
+
+
 def _plan(args) -> int:
     import transformers
 
-    from .planner.inspect import plan_ranks
-
-    model_class = getattr(transformers, args.model_class)
-    plans = plan_ranks(args.checkpoint, args.world_size, model_class=model_class)
-    rows = [p.summary() for p in plans]
+    ds_config = None
+    if args.ds_config:
+        with open(args.ds_config) as f:
+            ds_config = json.load(f)
+    with contextlib.redirect_stdout(sys.stderr):  # libraries' import-time notices must not mix into --json output
+        report = plan_report(args.checkpoint, args.world_size, args.ep_size, ds_config, args.device_memory,
+                             args.device, getattr(transformers, args.model_class))
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(report, indent=2))
         return 0
-    total = sum(r["bytes_to_read"] for r in rows)
-    print(f"{'rank':>4} {'bytes to read':>15} {'share':>7} {'read items':>10}")
-    for r in rows:
-        print(f"{r['rank']:>4} {r['bytes_to_read']:>15,} {r['bytes_to_read'] / max(total, 1):>7.1%} {r['read_items']:>10}")
-    first = plans[0]
-    print(f"missing: {len(first.missing_keys)}  unexpected: {len(first.unexpected_keys)}  "
-          f"mismatched: {len(first.mismatched_keys)}")
+    print(f"{report['checkpoint']}: {report['model_type']}, {report['parameters'] / 1e9:,.2f}B parameters, "
+          f"{_gib(report['checkpoint_bytes'])} on disk; world size {report['world_size']}, ep_size "
+          f"{report['ep_size']}, device {report['device']}")
+    print(f"conversions: {', '.join(report['conversions']) or 'renames only'}")
+    print()
+    print(f"{'rank':>5} {'read GiB':>9} {'reads':>7} | {'ours host':>9} {'ours dev':>9} | {'upstr host':>10} "
+          f"{'upstr dev':>9}   (peak during the load)")
+    for r in report["ranks"]:
+        print(f"{r['rank']:>5} {_gib(r['bytes_to_read']):>9} {r['read_items']:>7} | {_gib(r['load_ours_host_bytes']):>9} "
+              f"{_gib(r['load_ours_device_bytes']):>9} | {_gib(r['load_upstream_host_bytes']):>10} "
+              f"{_gib(r['load_upstream_device_bytes']):>9}")
+    t = report["train"]
+    print()
+    print(f"after deepspeed.initialize, per rank: {_gib(t['device_bytes'])} on the device (ZeRO-3 model states and "
+          f"the largest gather; activations not included), {_gib(t['host_bytes_per_node'])} of host memory per node")
+    print(f"largest all-gather in a forward pass: {t['largest_layer'] or '-'} ({t['largest_layer_params'] / 1e6:,.1f}M "
+          f"parameters, {_gib(t['largest_gather_bytes'])})")
+    if report["fits"] is not None:
+        verdict = "fits" if report["fits"] else "does NOT fit"
+        print(f"device memory {_gib(report['device_memory_bytes'])}: {verdict}")
+        if not report["fits"] and report["smallest_ep_size_that_fits"]:
+            print(f"smallest ep_size that fits: {report['smallest_ep_size_that_fits']}")
+    for w in report["warnings"]:
+        print(f"warning: {w}")
     if args.verbose:
-        for t in plans[args.rank].tensors.values():
-            print(f"  {t.name:70} {t.status:10} [{t.start}:{t.end}) of {t.numel} -> {len(t.reads)} reads")
+        plans = __import__("hf_zero3_loader.planner.inspect", fromlist=["plan_ranks"]).plan_ranks(
+            args.checkpoint, args.world_size, ranks=[args.rank], ep_size=args.ep_size)
+        for tp in plans[0].tensors.values():
+            print(f"  {tp.name:70} {tp.status:10} [{tp.start}:{tp.end}) of {tp.numel} -> {len(tp.reads)} reads")
     return 0
+
+
+def _verify(args) -> int:
+    from .verify import launch
+
+    with contextlib.redirect_stdout(sys.stderr):
+        report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    elif "error" in report:
+        print(report["error"])
+    else:
+        verdict = "OK" if report["ok"] else "MISMATCH"
+        print(f"{verdict}: {report['compared']} gathered tensors compared with the plain from_pretrained of "
+              f"{report['checkpoint']} (world size {report['world_size']}, ep_size {report['ep_size']}, "
+              f"{report['dtype']}); {len(report['problems'])} differ")
+        for problem in report["problems"][:20]:
+            print("  " + problem)
+    return 0 if report.get("ok") else 1
 
 
 def _bench(args, rest) -> int:
@@ -47,14 +167,27 @@ def main(argv=None) -> int:
     plan = sub.add_parser("plan", help="show what each rank reads, without reading tensor data")
     plan.add_argument("checkpoint")
     plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--ep-size", type=int, default=None, help="expert parallelism (DeepSpeed AutoEP layout)")
+    plan.add_argument("--ds-config", help="DeepSpeed config JSON (dtype, offload); default ZeRO-3 bf16")
+    plan.add_argument("--device-memory", type=float, default=None, help="GiB per device: does training fit?")
+    plan.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where partitions live")
     plan.add_argument("--model-class", default="AutoModelForCausalLM")
     plan.add_argument("--rank", type=int, default=0, help="rank whose tensors --verbose lists")
     plan.add_argument("--verbose", action="store_true")
     plan.add_argument("--json", action="store_true")
+    verify = sub.add_parser("verify", help="a real multi-rank load compared, tensor by tensor, with the plain load")
+    verify.add_argument("checkpoint")
+    verify.add_argument("--world-size", type=int, required=True)
+    verify.add_argument("--dtype", default="bfloat16")
+    verify.add_argument("--ep-size", type=int, default=None)
+    verify.add_argument("--model-class", default="AutoModelForCausalLM")
+    verify.add_argument("--json", action="store_true")
     sub.add_parser("bench", help="run scripts/bench_load.py (arguments are passed through)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "verify":
+        return _verify(args)
     return _bench(args, rest)
 
 

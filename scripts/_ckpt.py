@@ -16,6 +16,10 @@ SIZES = {
     "bench": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=9, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
                   num_experts=128, num_experts_per_tok=8, shard="200MB"),
+    # ~130 MB: large enough that a load's memory stands out from the process's own noise (tests/test_cli.py)
+    "test": dict(vocab_size=8000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
+                 num_experts=32, num_experts_per_tok=4, shard="40MB"),
     # tens of MB; sizes not all divisible by 2 so the last ZeRO-3 partition is padded
     "demo": dict(vocab_size=3001, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=129,

@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..checkpoint import open_checkpoint
-from .plan import WORLD, LoadPlan, PartitionGroup, build_plan
+from .plan import WORLD, LoadPlan, PartitionGroup, plan_tensors, resolve_checkpoint
 
 
 def checkpoint_files(folder: str) -> list[str]:
@@ -37,15 +37,32 @@ def meta_skeleton(folder: str, model_class=None, dtype: torch.dtype | None = Non
     return model, dtype
 
 
-def plan_ranks(folder: str, world_size: int, ranks=None, model_class=None, dtype=None) -> list[LoadPlan]:
+def plan_ranks(folder: str, world_size: int, ranks=None, model_class=None, dtype=None, ep_size: int | None = None,
+               with_model: bool = False):
+    """Each rank's plan, outside a distributed job (no data read). With `ep_size`, the model's MoE blocks become
+    AutoEP layers (as a load with expert parallelism makes them) and EP ranks are laid out as DeepSpeed lays them
+    out by default (EP groups of consecutive ranks). The checkpoint is resolved once for all ranks."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     model, dtype = meta_skeleton(folder, model_class, dtype)
     checkpoint = open_checkpoint(checkpoint_files(folder))
-    mapping = get_model_conversion_mapping(model)  # build_plan copies converters; the mapping is reusable
+    mapping = get_model_conversion_mapping(model)
+    resolution = resolve_checkpoint(model, checkpoint, mapping, model._get_dtype_plan(dtype))
+    layout = None
+    if ep_size:
+        from ..expert_parallel import ExpertParallelGroups, ExpertParallelLayout, request_from
+
+        request = request_from({}, ep_size, None, world_size)
+        layout = ExpertParallelLayout.convert(model, request, ExpertParallelGroups(ep_size, 0, None, EXPERTS))
     plans = []
     for rank in ranks if ranks is not None else range(world_size):
-        plans.append(build_plan(model, checkpoint, mapping, dtype, model._get_dtype_plan(dtype),
-                                group_of=lambda name, r=rank: PartitionGroup(WORLD, world_size, r),
-                                rank=rank, world_size=world_size))
-    return plans
+        world = PartitionGroup(WORLD, world_size, rank)
+        group_of, sources = (lambda name, w=world: w), None
+        if layout is not None:  # DeepSpeed's default layout: EP rank = rank % ep_size, EDP rank = rank // ep_size
+            experts = PartitionGroup(EXPERTS, world_size // ep_size, rank // ep_size)
+            group_of, sources = layout.group_of(world, experts), layout.sources_for(rank % ep_size)
+        plans.append(plan_tensors(model, resolution, checkpoint, group_of, rank, world_size, sources))
+    return (plans, model, checkpoint, resolution, layout) if with_model else plans
+
+
+EXPERTS = "expert_data_parallel"

@@ -1,0 +1,128 @@
+"""`hf-zero3-loader verify CHECKPOINT --world-size W`: a real W-rank load, every gathered tensor compared with the
+plain single-process `from_pretrained` of the same checkpoint (what to run before trusting a new family).
+
+The command launches `torchrun --nproc_per_node W -m hf_zero3_loader.verify ...`; rank 0 also loads the model the
+plain way (so it needs the whole model's memory once) and compares each parameter and buffer, gathered one at a
+time, for dtype, shape and bits. Exit status 0 when all are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+
+def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_class: str = "AutoModelForCausalLM",
+           ep_size: int | None = None, timeout: float = 3600) -> dict:
+    """Run the verification in `world_size` fresh processes; return rank 0's report."""
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "report.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
+               "127.0.0.1", "--master_port", str(port), "-m", "hf_zero3_loader.verify", checkpoint, out,
+               "--dtype", dtype, "--model-class", model_class] + (["--ep-size", str(ep_size)] if ep_size else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        if not os.path.exists(out):
+            return {"ok": False, "error": f"the verification job failed (exit {proc.returncode}):\n"
+                                          f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"}
+        with open(out) as f:
+            return json.load(f)
+
+
+def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
+    """The plain load's tensor for one of ours (AutoEP tensors: their slice of the fused experts)."""
+    import re
+
+    if m := re.fullmatch(r"(.*)\.experts\.(w1|w2|w3)", name):
+        moe, which = m.groups()
+        gate_up, down = plain[f"{moe}.experts.gate_up_proj"], plain[f"{moe}.experts.down_proj"]
+        n = gate_up.shape[0] // ep_size
+        local, ffn = slice(ep_rank * n, (ep_rank + 1) * n), gate_up.shape[1] // 2
+        return {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
+    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):
+        return plain[f"{m[1]}.gate.{m[2]}"]
+    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):
+        return plain[f"{m[1]}.gate.e_score_correction_bias"]
+    if name not in plain and ".shared_experts" in name:
+        return plain.get(name.replace(".shared_experts", ".shared_expert"))
+    return plain.get(name)
+
+
+def _worker(args) -> None:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    import hf_zero3_loader
+
+    deepspeed.init_distributed()
+    rank = dist.get_rank()
+    dtype = getattr(torch, args.dtype)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif dtype == torch.float16:
+        config["fp16"] = {"enabled": True}
+    if args.ep_size:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": args.ep_size}
+    model_class = getattr(transformers, args.model_class)
+    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config)
+    ep = model.hf_zero3_load_report.expert_parallel
+    plain = None
+    if rank == 0 or ep:  # under EP every rank checks its own experts
+        reference = model_class.from_pretrained(args.checkpoint, dtype=dtype)
+        plain = {n: t.detach() for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
+    problems, compared = [], 0
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            if plain is None or (rank != 0 and ".experts.w" not in name):
+                continue
+            want = _expected(name, plain, ep["ep_rank"] if ep else 0, ep["ep_size"] if ep else 1)
+            got = p.detach().cpu()
+            if want is None:
+                problems.append(f"{name}: not in the plain load")
+            elif got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+                problems.append(f"{name}: {got.dtype}{tuple(got.shape)} differs from the plain load's "
+                                f"{want.dtype}{tuple(want.shape)}")
+            compared += 1
+    if plain is not None:
+        for name, b in model.named_buffers():
+            want = _expected(name, plain, 0, 1)
+            if want is not None:
+                compared += 1
+                if b.dtype != want.dtype or not torch.equal(b.cpu(), want):
+                    problems.append(f"{name} (buffer) differs from the plain load")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"rank": rank, "compared": compared, "problems": problems})
+    if rank == 0:
+        report = {"ok": not any(r["problems"] for r in everyone), "world_size": dist.get_world_size(),
+                  "ep_size": args.ep_size or 1, "checkpoint": args.checkpoint, "dtype": args.dtype,
+                  "compared": sum(r["compared"] for r in everyone),
+                  "problems": [p for r in everyone for p in r["problems"]],
+                  "load": model.hf_zero3_load_report.summary()}
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's threads can abort interpreter teardown (a known torch race)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--model-class", default="AutoModelForCausalLM")
+    ap.add_argument("--ep-size", type=int, default=None)
+    _worker(ap.parse_args())

@@ -1,0 +1,96 @@
+"""The command line: `plan` (what each rank reads, predicted memory, does it fit, the smallest ep_size that would) and
+`verify` (a real multi-rank load compared with the plain one). `plan`'s load predictions are checked against the
+measured peaks of real loads, ours and transformers' own ZeRO-3 path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.checkpoints import ep_config, make_checkpoint
+from tests.conftest import ROOT, python_path
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+MiB = 1 << 20
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hf_zero3_loader.cli", *args], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": python_path()})
+
+
+@pytest.fixture(scope="module")
+def bench_checkpoint(workdir):
+    """~130 MB of bf16 Qwen3-MoE (32 experts, 4 layers): experts dominate, as in real MoE models."""
+    from _bench_common import make_checkpoint as make_bench_checkpoint
+
+    path = os.path.join(workdir, "bench_test_ckpt")
+    make_bench_checkpoint(path, "test")
+    return path
+
+
+def test_plan_prints_reads_memory_and_the_smallest_ep_size_that_fits(bench_checkpoint):
+    path = bench_checkpoint
+    human = _cli("plan", path, "--world-size", "4")
+    assert human.returncode == 0, human.stderr[-3000:]
+    for part in ("qwen3_moe", "world size 4", "conversions: Concatenate, MergeModulelist", "read", "ours host",
+                 "after deepspeed.initialize", "largest all-gather in a forward pass: model.layers.0.mlp.experts"):
+        assert part in human.stdout, (part, human.stdout)
+    plain = json.loads(_cli("plan", path, "--world-size", "4", "--json").stdout)
+    ep = json.loads(_cli("plan", path, "--world-size", "4", "--ep-size", "2", "--json").stdout)
+    # the same bytes are read either way, split differently
+    assert sum(r["bytes_to_read"] for r in plain["ranks"]) == sum(r["bytes_to_read"] for r in ep["ranks"]) == \
+        plain["checkpoint_bytes"]
+    # expert parallelism gathers half of a MoE layer's experts
+    assert ep["train"]["largest_layer_params"] * 2 == plain["train"]["largest_layer_params"]
+    # a device too small for plain ZeRO-3, big enough with the experts split
+    need_plain, need_ep = plain["train"]["device_bytes"], ep["train"]["device_bytes"]
+    assert need_ep < need_plain
+    gib = (need_ep + need_plain) / 2 / (1 << 30)
+    tight = json.loads(_cli("plan", path, "--world-size", "4", "--device-memory", str(gib), "--json").stdout)
+    assert tight["fits"] is False and tight["smallest_ep_size_that_fits"] in (2, 4)
+
+
+@pytest.fixture(scope="module")
+def measured(workdir, bench_checkpoint):
+    """Real 2-rank loads (ours, transformers' ZeRO-3 path) of a ~130 MB checkpoint, measured as the benchmark does."""
+    from _bench_common import launch, warm_page_cache
+
+    ckpt = bench_checkpoint
+    out = {}
+    for variant in ("ours", "upstream"):
+        result = os.path.join(workdir, f"measured_{variant}.json")
+        warm_page_cache(ckpt)
+        wall, rc = launch(2, ["--variant", variant, "--path", ckpt, "--result", result], result + ".log", 600)
+        assert rc == 0, open(result + ".log").read()[-4000:]
+        with open(result) as f:
+            out[variant] = json.load(f)
+    return ckpt, out
+
+
+def test_plan_predicts_the_memory_of_real_loads(measured):
+    """Host memory on CPU ranks: predicted vs the measured peak RSS growth, within 20% + 32 MiB."""
+    ckpt, runs = measured
+    report = json.loads(_cli("plan", ckpt, "--world-size", "2", "--device", "cpu", "--json").stdout)
+    for variant, key in (("ours", "load_ours_host_bytes"), ("upstream", "load_upstream_host_bytes")):
+        for r in runs[variant]:
+            predicted = report["ranks"][r["rank"]][key]
+            actual = r["rss_growth"]
+            assert abs(actual - predicted) <= 0.2 * predicted + 32 * MiB, (
+                f"{variant} rank {r['rank']}: predicted {predicted / MiB:.0f} MiB, measured {actual / MiB:.0f} MiB")
+    # and the bytes each rank reads are exactly the plan's
+    assert [r["bytes_read"] for r in runs["ours"]] == [r["bytes_to_read"] for r in report["ranks"]]
+
+
+def test_verify_compares_a_real_load_with_the_plain_one(workdir):
+    path = make_checkpoint(os.path.join(workdir, "ep_qwen3_moe"), "qwen3_moe", config=ep_config("qwen3_moe"))
+    for args in (("--world-size", "2"), ("--world-size", "2", "--ep-size", "2")):
+        result = _cli("verify", path, *args, "--json")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads(result.stdout)
+        assert report["ok"] and report["compared"] >= 27 and not report["problems"], report
