@@ -10,7 +10,7 @@ re-partitions. At no moment is more than max(budget, largest missing parameter) 
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +98,26 @@ def _plan_chunks(model, budget_bytes: int):
     return steps
 
 
+@contextmanager
+def logical_shapes(modules):
+    """While `_init_weights` runs on these modules, their partitioned (not gathered) params show their logical shape:
+    an init that reads `weight.shape` before its guarded write (RoFormer's sinusoidal positions, RWKV) sees what a
+    plain load shows. The stand-in is one element expanded, so a write into it fails loudly, never silently."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    swapped = []
+    for module, _ in modules:
+        for p in module.parameters(recurse=False):
+            if hasattr(p, "ds_shape") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                swapped.append((p, p.data))
+                p.data = torch.empty(1, dtype=p.dtype, device=p.data.device).expand(p.ds_shape)
+    try:
+        yield
+    finally:
+        for p, data in swapped:
+            p.data = data
+
+
 def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None) -> InitStats:
     import deepspeed
 
@@ -108,7 +128,7 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
             gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else nullcontext()
             if params:
                 stats.gathers.append(sum(_nbytes(p) for p in params))
-            with gather:
+            with gather, logical_shapes(modules):
                 if alone is not None:  # the module's other missing params are skipped by the guarded init
                     module, owner = modules[0]
                     others = [p for p in module.parameters(recurse=False) if p is not alone and _needs_gather(p)]
