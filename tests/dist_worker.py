@@ -60,11 +60,11 @@ def initialize(model, ds_config: dict, result: dict):
     return engine
 
 
-def train_losses(engine, steps: int, vocab: int, seed: int = 1234) -> list[float]:
+def train_losses(engine, steps: int, vocab: int, seed: int = 1234, seq_len: int = 12) -> list[float]:
     g = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (1, 12), generator=g).to(engine.device)
+        ids = torch.randint(0, vocab, (1, seq_len), generator=g).to(engine.device)
         out = engine(input_ids=ids, labels=ids)
         engine.backward(out.loss)
         engine.step()
@@ -236,7 +236,9 @@ def run_case(case: dict) -> dict:
         result["generation_config"] = model.generation_config.to_dict()
     if case.get("train_steps"):
         engine = initialize(model, ds_config, result)
-        result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size)
+        seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently
+        result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size, seed,
+                                        case.get("seq_len", 12))
         if case.get("checkpoint_roundtrip"):
             result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
     return result

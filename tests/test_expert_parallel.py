@@ -152,7 +152,10 @@ def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[di
             for variant in ("ours", "engine-side AutoEP")]
 
 
-@pytest.mark.parametrize("world_size,family,ep", [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2)])
+TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2)]  # (world size, family, ep_size): losses vs engine-side AutoEP
+
+
+@pytest.mark.parametrize("world_size,family,ep", TRAINED)
 def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, world_size, family, ep):
     ours, engine_side = run_torchrun(world_size, _train_cases(workdir, family, ep, world_size), workdir)
     for dump in (ours, engine_side):

@@ -19,6 +19,8 @@ from tests.conftest import run_nodes
 from tests.dist_worker import ds_config_for
 
 NOWHERE = "/nonexistent/checkpoint"  # a node without a copy
+# family -> world sizes streamed in these tests (read by scripts/model_cards.py)
+STREAMED = {"qwen3_moe": (2, 4), "llama": (2,), "mixtral": (3,)}
 CHUNK = 4096  # smaller than most tensors here: every tensor crosses several chunks
 
 

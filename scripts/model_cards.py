@@ -1,0 +1,189 @@
+"""Generate model_cards/ from a registry of families and the tests that verify them.
+
+    python scripts/model_cards.py            # (re)write model_cards/
+    python scripts/model_cards.py --check    # exit 1 if model_cards/ differs from what this would write (CI)
+
+Nothing a card says about verification is typed by hand: world sizes, dtypes, expert-parallel sizes and streaming
+come from the tests' own definitions (tests/test_fidelity.py CHECKPOINTS, tests/test_expert_parallel.py RUNS and
+TRAINED, tests/test_missing_and_guards.py CASES, tests/test_streaming.py STREAMED, tests/families.py SWEEP), so a
+card can only name what those tests run, and `tests/test_model_cards.py` fails when the committed cards drift.
+The registry below holds what tests cannot: how each family's checkpoint is laid out and converted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# family (model type) -> (title, card file, layout notes)
+FEATURED = {
+    "qwen3_moe": ("Qwen3-MoE", "qwen3_moe.md", [
+        "**On disk** (`save_pretrained`): one tensor per expert, `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`.",
+        "**In the model**: fused `mlp.experts.gate_up_proj [E, 2I, H]` and `mlp.experts.down_proj [E, H, I]`.",
+        "**Conversion**: `MergeModulelist(dim=0)` + `Concatenate(dim=1)` for gate/up, `MergeModulelist(dim=0)` for down. "
+        "Both are row-local: each rank reads, per expert, only the gate and up rows of its flat partition range.",
+        "Also the conversion of the model types transformers maps to `qwen2_moe` (deepseek_v2/v3, glm4_moe, olmoe, "
+        "hunyuan_v1_moe, qwen3_next, ernie4_5_moe and more).",
+    ]),
+    "mixtral": ("Mixtral", "mixtral.md", [
+        "**On disk**: `model.layers.{i}.mlp.experts.{e}.w1/w3/w2.weight` (older checkpoints: `block_sparse_moe.`, renamed "
+        "by transformers' mapping).",
+        "**In the model**: fused `mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`.",
+        "**Conversion**: renames, `MergeModulelist(dim=0)` + `Concatenate(dim=1)` (w1, w3), `MergeModulelist(dim=0)` (w2).",
+    ]),
+    "llama": ("Llama (dense; tied and untied embeddings)", "llama.md", [
+        "**On disk = in the model**: no conversion ops; each parameter is one contiguous read of its partition range.",
+        "**Tied embeddings**: `save_pretrained` drops `lm_head.weight`; the loader ties it to the embedding (one ZeRO-3 "
+        "partition). A checkpoint whose `lm_head` differs while the config says tie is untied with transformers' "
+        "warning, as the plain load does.",
+    ]),
+    "ernie4_5_moe": ("Ernie 4.5 MoE", "ernie4_5_moe.md", [
+        "**fp32 parameters**: `_keep_in_fp32_modules_strict = [\"gate.weight\", \"moe_statics\"]`. DeepSpeed ZeRO-3 "
+        "(0.19.8) keeps all trainable parameters in one dtype, so by default they are loaded in the engine's dtype with "
+        "a warning naming them; `keep_in_fp32=True` keeps the plain dtype (freeze them before `deepspeed.initialize`).",
+    ]),
+    "qwen3_vl_moe": ("Qwen3-VL-MoE", "qwen3_vl_moe.md", [
+        "**On disk**: released checkpoints store fused experts transposed (`gate_up_proj [E, H, 2I]`); transformers maps "
+        "them with `Transpose(1, 2, check_dims=True)`, which transposes only when the disk shape differs from the "
+        "model's. The check uses the model's true shape; a transpose of the last dimension becomes strided reads.",
+    ]),
+    "qwen2_moe": ("Qwen2-MoE", "qwen2_moe.md", [
+        "**On disk**: per-expert tensors, a shared expert `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`.",
+        "**Expert parallelism**: AutoEP keeps the shared expert as `mlp.shared_experts` and its gate as "
+        "`mlp.shared_experts_gate` (same tensors, new names).",
+    ]),
+    "deepseek_v2": ("DeepSeek-V2", "deepseek_v2.md", [
+        "**Conversion**: the `qwen2_moe` expert merge; shared experts `mlp.shared_experts.*`.",
+    ]),
+    "deepseek_v3": ("DeepSeek-V3", "deepseek_v3.md", [
+        "**On disk**: per-expert tensors from `first_k_dense_replace` on, shared experts, and the router's persistent "
+        "`mlp.gate.e_score_correction_bias` buffer.",
+        "**Expert parallelism**: the correction bias moves to AutoEP's router (`mlp.router.e_score_correction_bias`) and "
+        "is read whole by every rank, as buffers are. Dense layers stay plain MLPs.",
+    ]),
+    "qwen3_5_moe_text": ("Qwen3.5-MoE (text)", "qwen3_5_moe.md", [
+        "**On disk**: per-expert tensors, shared expert and gate as in Qwen2-MoE; linear-attention (gated delta net) and "
+        "full-attention layers.",
+    ]),
+    "minimax_m3_vl_text": ("MiniMax-M3 (text)", "minimax_m3_vl.md", [
+        "**On disk**: fused `mlp.experts.gate_up_proj` / `down_proj` as in the model (no conversion op), shared experts, "
+        "router correction bias. AutoEP's preset computes its clamped SwiGLU.",
+    ]),
+}
+
+
+def verification() -> dict:
+    """family -> list of (what, where) lines, from the tests' own definitions."""
+    from tests import families, test_expert_parallel, test_fidelity, test_missing_and_guards, test_streaming
+
+    found: dict[str, list[tuple[str, str]]] = {}
+
+    def add(family, text, where):
+        found.setdefault(family, []).append((text, where))
+
+    by_family: dict[str, list] = {}
+    for name, (family, saved, sharded) in test_fidelity.CHECKPOINTS.items():
+        by_family.setdefault(family.split("_")[0] if family.startswith("llama") else family, []).append(
+            (name, saved, sharded))
+    for family, entries in by_family.items():
+        saved = sorted({str(s).removeprefix("torch.") for _, s, _ in entries})
+        kinds = sorted({"sharded" if sh else "single-file" for _, _, sh in entries})
+        extra = " tied and untied;" if family == "llama" else ""
+        add(family, f"world sizes {', '.join(map(str, test_fidelity.WORLD_SIZES))}; engine dtypes "
+                    f"{', '.join(test_fidelity.DTYPES)}; checkpoints saved in {', '.join(saved)};{extra} "
+                    f"{' and '.join(kinds)}; every gathered parameter and buffer bit- and dtype-equal to the plain "
+                    "load; bytes read per rank = its exact share; no collective during the load", "tests/test_fidelity.py")
+    cases_by_path = {"qwen": "qwen3_moe", "llama": "llama", "qwen_missing_experts": "qwen3_moe",
+                     "llama_tied_but_different": "llama", "ernie": "ernie4_5_moe", "qwen3_vl_moe": "qwen3_vl_moe",
+                     "qwen_broken": "qwen3_moe"}
+    for name, (path, *_rest) in test_missing_and_guards.CASES.items():
+        add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
+            "tests/test_missing_and_guards.py")
+    for world, runs in test_expert_parallel.RUNS.items():
+        for family, ep, dtype in runs:
+            add(family, f"expert parallelism: world size {world}, ep_size {ep}, {dtype}: local experts equal the plain "
+                        "load's slices, everything else equal", "tests/test_expert_parallel.py")
+    for world, family, ep in test_expert_parallel.TRAINED:
+        add(family, f"expert parallelism: 3 AdamW steps at world size {world}, ep_size {ep} equal DeepSpeed's "
+                    "engine-side AutoEP; checkpoints round-trip", "tests/test_expert_parallel.py")
+    for family, worlds in test_streaming.STREAMED.items():
+        add(family, f"streamed to ranks without the files at world sizes {', '.join(map(str, worlds))}",
+            "tests/test_streaming.py")
+    for family in families.SWEEP:
+        add(family, f"family sweep: world sizes {', '.join(map(str, families.SWEEP_WORLD_SIZES))}, bit-exact",
+            "tests/test_families.py")
+    return found
+
+
+def render() -> dict[str, str]:
+    from tests import families
+
+    verified = verification()
+    files = {}
+    for family, (title, card, notes) in FEATURED.items():
+        lines = [f"# {title} (`{family}`)", "", *[f"- {n}" for n in notes], "", "## Verified", ""]
+        lines += [f"- {text} (`{where}`)" for text, where in verified.get(family, [])]
+        files[card] = "\n".join(lines) + "\n"
+    index = ["# Model cards", "",
+             "Generated by `python scripts/model_cards.py` from a registry of families and the tests that verify them; "
+             "`tests/test_model_cards.py` fails in CI when these files differ from what the script writes, so a card "
+             "names only families and world sizes that a test runs.", "",
+             "\"Verified\" means: real multi-process loads (DeepSpeed, gloo), every gathered parameter and buffer equal "
+             "bit for bit and dtype for dtype to plain single-process `from_pretrained` of the same checkpoint.", "",
+             "| family | card | world sizes | expert parallelism (world size / ep_size) |", "|---|---|---|---|"]
+    for family, (title, card, _) in FEATURED.items():
+        texts = [t for t, _ in verified.get(family, [])]
+        worlds = sorted({int(w) for t in texts for w in re.findall(r"world sizes? ((?:\d+(?:, )?)+)", t)
+                         for w in re.findall(r"\d+", w)})
+        ep = sorted({(int(a), int(b)) for t in texts for a, b in re.findall(r"world size (\d+), ep_size (\d+)", t)})
+        index.append(f"| {title} | [{card}]({card}) | {', '.join(map(str, worlds))} | "
+                     f"{', '.join(f'{a}/{b}' for a, b in ep) or '-'} |")
+    index += ["", f"## The family sweep ({len(families.SWEEP)} model types)", "",
+              "Every causal-LM model type transformers 5.23 can build small from its own config class, saved with "
+              f"`save_pretrained` and loaded bit-exact at world sizes "
+              f"{', '.join(map(str, families.SWEEP_WORLD_SIZES))} (`tests/test_families.py`):", "",
+              ", ".join(f"`{t}`" for t in families.SWEEP), "",
+              "Not in the sweep (their configs refuse the small sizes): " +
+              "; ".join(f"`{t}` ({why})" for t, why in families.NOT_BUILT.items()) + ".", ""]
+    files["README.md"] = "\n".join(index)
+    return files
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--folder", default=os.path.join(REPO, "model_cards"))
+    args = ap.parse_args()
+    folder = args.folder
+    files = render()
+    if args.check:
+        problems = []
+        present = {f for f in os.listdir(folder) if f.endswith(".md")}
+        for name in sorted(present - set(files)):
+            problems.append(f"model_cards/{name} is not generated (no registry entry)")
+        for name, text in files.items():
+            path = os.path.join(folder, name)
+            current = open(path).read() if os.path.exists(path) else ""
+            if current != text:
+                diff = "".join(difflib.unified_diff(current.splitlines(True), text.splitlines(True), name, name, n=0))
+                problems.append(f"model_cards/{name} differs from the generated card:\n{diff[:2000]}")
+        print("\n".join(problems) if problems else f"model_cards/ up to date ({len(files)} files)")
+        return 1 if problems else 0
+    for name in os.listdir(folder):
+        if name.endswith(".md") and name not in files:
+            os.remove(os.path.join(folder, name))
+    for name, text in files.items():
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+    print(f"wrote {len(files)} files to model_cards/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
