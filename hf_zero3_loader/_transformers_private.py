@@ -124,3 +124,23 @@ def recording_init_functions(record: Callable):
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
+
+
+def loading_conversion_ops() -> set[type]:
+    """Every op class transformers' conversion mappings run when loading (all model types), plus the dequantize ops its
+    quantizers put first in a chain (`get_load_operations()["dequantize"]`)."""
+    from transformers import conversion_mapping
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    ops: set[type] = set()
+    for converters in conversion_mapping._build_checkpoint_conversion_mapping().values():
+        for converter in converters:
+            ops.update(type(op) for op in getattr(converter, "operations", None) or [])
+    for quantizer_class in AUTO_QUANTIZER_MAPPING.values():
+        try:
+            dequantize = quantizer_class.get_load_operations(quantizer_class).get("dequantize")
+        except Exception:
+            continue
+        if dequantize is not None:
+            ops.add(dequantize)
+    return ops

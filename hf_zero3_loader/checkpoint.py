@@ -31,6 +31,10 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    # quantized checkpoints (dequantized on read, see dequantize.py)
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    **({"F8_E8M0": torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu") else {}),
 }
 
 # A header larger than this is not a real checkpoint header (the safetensors library uses 100 MB too).
@@ -88,10 +92,16 @@ class Checkpoint:
     # per file: what ranks compare to prove they load the same copy (size, header digest, sampled-data digest)
     fingerprints: dict[str, str] = field(default_factory=dict)
     sampled_bytes: int = 0
+    # tensors the conversion computes from stored ones (dequantized FP8 / MXFP4), by key: see dequantize.py
+    computed: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+    def entry(self, key: str):
+        """A stored tensor, or a computed one."""
+        return self.entries[key] if key in self.entries else self.computed[key]
 
 
 SAMPLE_BLOCKS, SAMPLE_BYTES = 8, 4096  # data read per file to compare copies across ranks

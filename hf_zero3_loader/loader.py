@@ -140,8 +140,7 @@ class _Zero3Load:
     def _load(self, model, state_dict, checkpoint_files, load_config):
         if state_dict is not None:
             raise ConfigError("hf_zero3_loader reads checkpoints from files; `state_dict=` is not supported")
-        if load_config.hf_quantizer is not None:
-            raise ConfigError("quantized models are not supported under ZeRO-3 by hf_zero3_loader")
+        self._refuse_kept_quantized(load_config.hf_quantizer)
         with self.report.phase("plan"):
             checkpoint = self._open_checkpoint(checkpoint_files, load_config)
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
@@ -234,6 +233,19 @@ class _Zero3Load:
         return checkpoint
 
     @staticmethod
+    def _refuse_kept_quantized(quantizer) -> None:
+        """Quantized checkpoints load dequantized (each rank dequantizes its own partition, `dequantize.py`); weights
+        kept quantized cannot be ZeRO-3 partitions that DeepSpeed trains."""
+        if quantizer is None or getattr(quantizer.quantization_config, "dequantize", False):
+            return
+        method = getattr(quantizer.quantization_config, "quant_method", "?")
+        hint = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)"}.get(
+            str(getattr(method, "value", method)), "the quantization config with dequantize=True, if it has one")
+        raise ConfigError(f"{type(quantizer).__name__}: keeping the weights quantized is not supported under DeepSpeed "
+                          f"ZeRO-3 (it partitions and trains dequantized weights); pass quantization_config={hint} to "
+                          "dequantize them while loading")
+
+    @staticmethod
     def _refuse_incomplete_inputs(resolution) -> None:
         """Merged tensors (fused experts) short of some of their checkpoint tensors: name them, rather than the size
         mismatch transformers would report."""
@@ -289,7 +301,7 @@ class _Zero3Load:
             cpu_dst = dst if dst.device.type == "cpu" else torch.empty(filled, dtype=dst.dtype)
             if cpu_dst is not dst:
                 staged.append((cpu_dst, dst[:filled]))
-            jobs.extend((item, checkpoint.entries[item.key], cpu_dst) for item in tensor_plan.reads)
+            jobs.extend((item, checkpoint.entry(item.key), cpu_dst) for item in tensor_plan.reads)
         reader = FileReader(self.report.read, checkpoint.identities)
         try:
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",

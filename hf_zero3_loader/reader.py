@@ -112,8 +112,13 @@ def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: to
     """Copy one ReadItem into the flat CPU tensor `dst` (a partition, buffer or stream chunk); no temporary buffer
     exceeds `staging_bytes`."""
     itemsize = item.src_dtype.itemsize
-    entry_start = entry.data_start
     out = dst[item.dst_offset : item.dst_offset + item.numel]
+    if not isinstance(entry, TensorEntry):  # computed from stored tensors (dequantized): produced box by box
+        box = entry.read_box(reader, item.src_offset, item.rows, item.cols, item.row_stride)
+        view = out.view(item.cols, item.rows) if item.transposed else out.view(item.rows, item.cols)
+        view.copy_(box.t() if item.transposed else box)
+        return
+    entry_start = entry.data_start
     if entry.tensor is not None:  # a pickled checkpoint, memory-mapped (or loaded whole, legacy format)
         _copy_from_tensor(entry.tensor, item, out)
         reader.stats.add(item.numel * itemsize)

@@ -256,7 +256,7 @@ class Piece:
         """The sub-box to read, row-major, untransposed."""
         i = self.item
         return ReadItem(i.file, i.key, i.src_dtype, i.src_offset + self.r0 * i.row_stride + self.c0, self.r1 - self.r0,
-                        self.c1 - self.c0, i.row_stride, 0)
+                        self.c1 - self.c0, i.row_stride, 0, stored_bytes_per_element=i.stored_bytes_per_element)
 
     def place(self, data: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the piece's bytes (`data`, source dtype) into the partition `out` (cast as transformers casts)."""
@@ -352,7 +352,7 @@ class Streamer:
                         buf = buffers[turn]
                         for piece in chunk:
                             view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
-                            execute_read(file_reader, piece.source(), checkpoint.entries[piece.item.key], view,
+                            execute_read(file_reader, piece.source(), checkpoint.entry(piece.item.key), view,
                                          staging_bytes=self.chunk_bytes)
                         size = _chunk_size(chunk)
                         payload = buf[:size] if self.device.type == "cpu" else buf[:size].to(self.device)

@@ -158,3 +158,106 @@ def trainable_moe_config():
                           num_key_value_heads=1, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
                           num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
                           pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+def ernie4_5_vl_moe_config():
+    """Ernie 4.5 VL MoE: text and vision experts fused by ErnieFuseAndSplitTextVisionExperts."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model("ernie4_5_vl_moe")
+    text = {**default.text_config.to_dict(), "vocab_size": 101, "hidden_size": 64, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "rope_parameters": {**default.text_config.rope_parameters, "mrope_section": [4, 4, 8]},
+            "moe_intermediate_size": [24, 12], "moe_k": 2, "moe_num_experts": 4, "moe_num_shared_experts": 1,
+            "max_position_embeddings": 64}
+    text.pop("layer_types", None)
+    vision = {**default.vision_config.to_dict(), "depth": 1, "hidden_size": 32, "intermediate_size": 48,
+              "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2, "out_hidden_size": 64}
+    return AutoConfig.for_model("ernie4_5_vl_moe", text_config=text, vision_config=vision)
+
+
+def fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128), skip=("embed", "lm_head", "norm", ".gate.")) -> str:
+    """Fine-grained FP8 in transformers' on-disk format, from a bf16/fp32 checkpoint: each 2-D Linear weight (but
+    `skip`) as float8_e4m3fn with a float32 `weight_scale_inv` per block (amax / 448, ceil-sized grid), the rest as is;
+    `quantization_config` names the skipped modules as `modules_to_not_convert`."""
+    import json
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    os.makedirs(dst)
+    tensors = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, name)))
+        elif name.endswith(".json") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(src, name), dst)
+    out = {}
+    bm, bn = block
+    for key, t in tensors.items():
+        if t.dim() != 2 or not key.endswith(".weight") or any(s in key for s in skip):
+            out[key] = t
+            continue
+        rows, cols = t.shape
+        sr, sc = math.ceil(rows / bm), math.ceil(cols / bn)
+        w = t.float()
+        scale = torch.empty(sr, sc)
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(sr):
+            for j in range(sc):
+                tile = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+                scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+                q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+        out[key], out[key[: -len("weight")] + "weight_scale_inv"] = q, scale
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(block),
+                                     "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "gate"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def gpt_oss_config(hidden: int = 64):
+    from transformers import GptOssConfig
+
+    return GptOssConfig(num_hidden_layers=2, num_local_experts=4, hidden_size=hidden, intermediate_size=96,
+                        vocab_size=101, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                        max_position_embeddings=64, num_experts_per_tok=2,
+                        layer_types=["sliding_attention", "full_attention"])
+
+
+def mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> str:
+    """GPT-OSS with its experts in MXFP4 as released: `*_blocks` [E, R, H/32, 16] uint8 (two FP4 values a byte) and
+    `*_scales` [E, R, H/32] uint8 (E8M0 exponents), random; everything else as in `src`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    os.makedirs(dst)
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(os.path.join(src, name), dst)
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, t in load_file(os.path.join(src, "model.safetensors")).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, cols, rows = t.shape  # the model's [E, H, R]; on disk the transpose, packed
+            out[key + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            out[key + "_scales"] = torch.randint(118, 134, (experts, rows, cols // 32), generator=g, dtype=torch.uint8)
+        else:
+            out[key] = t
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst

@@ -161,6 +161,14 @@ def inject_fault(case: dict):
     return undo
 
 
+def quantization_config(spec: dict):
+    """transformers' quantization config object for a JSON spec, as a user passes it to from_pretrained."""
+    import transformers
+
+    classes = {"fp8": transformers.FineGrainedFP8Config, "mxfp4": transformers.Mxfp4Config}
+    return classes[spec["quant_method"]](dequantize=spec.get("dequantize", False))
+
+
 def run_case(case: dict) -> dict:
     import transformers
 
@@ -186,6 +194,8 @@ def run_case(case: dict) -> dict:
     kwargs = dict(case.get("kwargs", {}))
     if isinstance(kwargs.get("distributed_config"), dict):  # JSON cases carry transformers' DistributedConfig as a dict
         kwargs["distributed_config"] = transformers.DistributedConfig(**kwargs["distributed_config"])
+    if isinstance(kwargs.get("quantization_config"), dict):  # {"quant_method": "fp8"|"mxfp4", "dequantize": True}
+        kwargs["quantization_config"] = quantization_config(kwargs["quantization_config"])
     result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     if "seed" in case:
         torch.manual_seed(case["seed"])

@@ -8,11 +8,13 @@ An op without a rule raises `UnsupportedConversionError`, never a wrong tensor.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from transformers import core_model_loading as cml
 
+from ..dequantize import Computation
 from ..errors import UnsupportedConversionError
 from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose, slice_along
 
@@ -27,39 +29,127 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _stack(syms: list[Sym], dim: int, what: str) -> Sym:
+    """torch.stack(syms, dim)."""
+    _check(all(s.shape == syms[0].shape for s in syms), f"{what}: unequal shapes {[s.shape for s in syms]}")
+    dim = dim % (len(syms[0].shape) + 1)
+    shape = list(syms[0].shape)
+    shape.insert(dim, len(syms))
+    return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
+
+
+def _cat(syms: list[Sym], dim: int, what: str) -> Sym:
+    """torch.cat(syms, dim)."""
+    dim = dim % len(syms[0].shape)
+    others = {tuple(d for i, d in enumerate(s.shape) if i != dim) for s in syms}
+    _check(len(others) == 1 and len({len(s.shape) for s in syms}) == 1,
+           f"{what}: shapes differ outside the dim: {[s.shape for s in syms]}")
+    shape = list(syms[0].shape)
+    shape[dim] = sum(s.shape[dim] for s in syms)
+    return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, s.shape[dim], s.shape[dim]) for s in syms]))
+
+
 def _merge_modulelist(op, inputs, source_patterns, target_patterns, ctx):
     out = {}
     n_inputs = len(inputs)
     for pattern in list(inputs):
         syms = inputs[pattern]
         key = op.get_target_pattern(n_inputs, pattern, target_patterns)
-        if isinstance(syms, Sym):
-            out[key] = syms
-            continue
-        _check(all(s.shape == syms[0].shape for s in syms), f"MergeModulelist: unequal shapes {[s.shape for s in syms]}")
-        dim = op.dim % (len(syms[0].shape) + 1)
-        shape = list(syms[0].shape)
-        shape.insert(dim, len(syms))
-        out[key] = Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
+        out[key] = syms if isinstance(syms, Sym) else _stack(syms, op.dim, "MergeModulelist")
     return out
 
 
 def _concatenate(op, inputs, source_patterns, target_patterns, ctx):
-    key = op.get_target_pattern(target_patterns)
     syms: list[Sym] = []
     for pattern in source_patterns:
         if pattern not in inputs:
             continue
         value = inputs[pattern]
         syms.extend(value if isinstance(value, list) else [value])
-    dim = op.dim % len(syms[0].shape)
-    others = {tuple(d for i, d in enumerate(s.shape) if i != dim) for s in syms}
-    _check(len(others) == 1 and len({len(s.shape) for s in syms}) == 1,
-           f"Concatenate(dim={op.dim}): shapes differ outside the dim: {[s.shape for s in syms]}")
-    shape = list(syms[0].shape)
-    shape[dim] = sum(s.shape[dim] for s in syms)
-    pieces = [Piece(s, 0, s.shape[dim], s.shape[dim]) for s in syms]
-    return {key: Sym(tuple(shape), mapper=Concat(dim, tuple(shape), pieces))}
+    return {op.get_target_pattern(target_patterns): _cat(syms, op.dim, f"Concatenate(dim={op.dim})")}
+
+
+def _ernie_fuse_and_split(op, inputs, source_patterns, target_patterns, ctx):
+    """ErnieFuseAndSplitTextVisionExperts: each source's expert list is split into len(targets) groups (ceil-sized),
+    each group stacked on `stack_dim`; target k concatenates group k of every source on `concat_dim`."""
+    parts: dict[str, list[Sym]] = {}
+    for pattern in source_patterns:
+        if pattern not in inputs:
+            raise ValueError(f"Expected pattern {pattern} in collected tensors but only found tensors for: "
+                             f"{inputs.keys()}")
+        syms = inputs[pattern] if isinstance(inputs[pattern], list) else [inputs[pattern]]
+        size = math.ceil(len(syms) / len(target_patterns))
+        for k, target in enumerate(target_patterns):
+            group = syms[k * size:(k + 1) * size]
+            _check(bool(group), f"ErnieFuseAndSplitTextVisionExperts: no experts left for {target}")
+            parts.setdefault(target, []).append(_stack(group, op.stack_dim, "ErnieFuseAndSplitTextVisionExperts"))
+    return {t: _cat(p, op.concat_dim, "ErnieFuseAndSplitTextVisionExperts") for t, p in parts.items()}
+
+
+def _vision_fuse_and_permute_for_rope(op, inputs, source_patterns, target_patterns, ctx):
+    """VisionFuseAndPermuteForRope = PermuteForRope(subconfig vision_config) then Concatenate, as the op runs them."""
+    permuted = _permute_for_rope(op.permute_op, inputs, source_patterns, target_patterns, ctx)
+    return _concatenate(op.concat_op, permuted, source_patterns, target_patterns, ctx)
+
+
+def _fp8_dequantize(op, inputs, source_patterns, target_patterns, ctx):
+    """Fp8Dequantize (first in a chain, or alone on a plain weight): each FP8 weight with its `weight_scale_inv`
+    becomes a computed tensor (dequantize.Fp8Dequantized); activation scales are dropped, as the op drops them."""
+    layer = ctx["full_layer_name"]
+    out_dtype = ctx["dtype_of"](layer)
+
+    def dequantized(weight: Sym, scale: Sym) -> Sym:
+        entry = ctx["entry"](weight.key)
+        if entry.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise UnsupportedConversionError(
+                f"Fp8Dequantize of {weight.key}: stored as {entry.dtype}, not FP8 (packed FP4 weights have no "
+                "shard-on-read rule)")
+        rows, cols = weight.shape[-2:]
+        scale_rows, scale_cols = scale.shape[-2:] if len(scale.shape) >= 2 else (1, 1)
+        if rows % scale_rows or cols % scale_cols:  # transformers' own check, its own words
+            raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({scale_rows}, {scale_cols}).")
+        scale_entry = ctx["entry"](scale.key)
+        dtype = out_dtype or (scale_entry.dtype if scale_entry.dtype.is_floating_point and scale_entry.itemsize >= 2
+                              else torch.bfloat16)
+        computation = Computation("fp8", (weight.key, scale.key), dtype, tuple(weight.shape))
+        ctx["computed"][computation.key] = computation
+        return Sym(weight.shape, key=computation.key)
+
+    if "weight" in inputs:  # a plain weight: converter ["weight", "weight_scale_inv", ...] -> "weight"
+        weight = _first(inputs["weight"])
+        if "weight_scale_inv" not in inputs:
+            return {layer: weight}
+        return {layer: dequantized(weight, _first(inputs["weight_scale_inv"]))}
+    out = {}
+    for key, value in inputs.items():
+        if "activation_scale" in key or "weight_scale_inv" in key:
+            continue
+        scale_key = f"{key}_scale_inv"
+        if scale_key not in inputs:
+            out[key] = value
+            continue
+        weights = value if isinstance(value, list) else [value]
+        scales = inputs[scale_key] if isinstance(inputs[scale_key], list) else [inputs[scale_key]]
+        if len(weights) != len(scales):
+            raise ValueError(f"Fp8Dequantize: weight/scale count mismatch for {key} ({len(weights)} weights vs "
+                             f"{len(scales)} scales).")
+        out[key] = [dequantized(w, s) for w, s in zip(weights, scales)]
+    return out
+
+
+def _mxfp4_dequantize(op, inputs, source_patterns, target_patterns, ctx):
+    """Mxfp4Dequantize (GPT-OSS experts): `{proj}_blocks` [E, R, G, 16] and `{proj}_scales` [E, R, G] become the
+    computed [E, G * 32, R] tensor (dequantize.Mxfp4Dequantized), in the parameter's dtype."""
+    layer = ctx["full_layer_name"]
+    proj = "gate_up_proj" if "gate_up_proj" in layer else "down_proj"
+    blocks, scales = _first(inputs[f"{proj}_blocks"]), _first(inputs[f"{proj}_scales"])
+    _check(len(blocks.shape) == 4 and tuple(blocks.shape[:-1]) == tuple(scales.shape),
+           f"Mxfp4Dequantize: blocks {blocks.shape} and scales {scales.shape} do not match")
+    experts, rows, groups, block_bytes = blocks.shape
+    computation = Computation("mxfp4", (blocks.key, scales.key), ctx["dtype_of"](layer) or torch.bfloat16,
+                              (experts, groups * block_bytes * 2, rows))
+    ctx["computed"][computation.key] = computation
+    return {layer: Sym(computation.shape, key=computation.key)}
 
 
 def _slices(src: Sym, dim: int, sizes: list[int], targets: list[str]) -> dict[str, Sym]:
@@ -168,6 +258,24 @@ def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
     return {key: src}
 
 
+def _quantizer_rules() -> dict:
+    """The dequantize ops transformers' quantizers put first in a chain (loading with `dequantize=True`)."""
+    rules = {}
+    try:
+        from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+        rules[Fp8Dequantize] = _fp8_dequantize
+    except ImportError:
+        pass
+    try:
+        from transformers.integrations.mxfp4 import Mxfp4Dequantize
+
+        rules[Mxfp4Dequantize] = _mxfp4_dequantize
+    except ImportError:
+        pass
+    return rules
+
+
 RULES = {
     cml.MergeModulelist: _merge_modulelist,
     cml.Concatenate: _concatenate,
@@ -177,6 +285,9 @@ RULES = {
     cml.Transpose: _transpose,
     cml.PermuteForRope: _permute_for_rope,
     cml.Conv3dToLinear: _conv3d_to_linear,
+    cml.ErnieFuseAndSplitTextVisionExperts: _ernie_fuse_and_split,
+    cml.VisionFuseAndPermuteForRope: _vision_fuse_and_permute_for_rope,
+    **_quantizer_rules(),
 }
 
 

@@ -58,10 +58,15 @@ class ReadItem:
     row_stride: int
     dst_offset: int
     transposed: bool = False
+    stored_bytes_per_element: float = 0.0  # a computed (dequantized) tensor: checkpoint bytes behind each element
 
     @property
     def numel(self) -> int:
         return self.rows * self.cols
+
+    @property
+    def stored_bytes(self) -> int:
+        return math.ceil(self.numel * (self.stored_bytes_per_element or self.src_dtype.itemsize))
 
 
 @dataclass
@@ -86,7 +91,7 @@ class TensorPlan:
 
     @property
     def bytes_to_read(self) -> int:
-        return sum(r.numel * r.src_dtype.itemsize for r in self.reads)
+        return sum(r.stored_bytes for r in self.reads)
 
 
 @dataclass
@@ -140,11 +145,14 @@ def runs_to_read_items(runs: list[Run], checkpoint: Checkpoint, dst_offset: int 
     items: list[ReadItem] = []
     pos = dst_offset
     for run in runs:
-        entry = checkpoint.entries[run.sym.key]
+        entry = checkpoint.entry(run.sym.key)
+        per_element = entry.stored_bytes_per_element() if run.sym.key in checkpoint.computed else 0.0
         if run.stride == 1:
-            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, 1, run.length, run.length, pos)
+            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, 1, run.length, run.length, pos,
+                            stored_bytes_per_element=per_element)
         else:  # strided: `length` rows of one element, or a column of a transposed box
-            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, run.length, 1, run.stride, pos)
+            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, run.length, 1, run.stride, pos,
+                            stored_bytes_per_element=per_element)
         pos += run.length
         if items:
             prev = items[-1]
@@ -153,13 +161,15 @@ def runs_to_read_items(runs: list[Run], checkpoint: Checkpoint, dst_offset: int 
                 prev.src_offset + prev.cols == item.src_offset
             ):
                 items[-1] = ReadItem(prev.file, prev.key, prev.src_dtype, prev.src_offset, 1, prev.cols + item.cols,
-                                     prev.cols + item.cols, prev.dst_offset)
+                                     prev.cols + item.cols, prev.dst_offset,
+                                     stored_bytes_per_element=prev.stored_bytes_per_element)
                 continue
             # consecutive strided columns of equal height -> one transposed box
             if same and item.cols == 1 and item.rows > 1 and prev.rows == item.rows and prev.row_stride == item.row_stride:
                 if prev.src_offset + prev.cols == item.src_offset and (prev.transposed or prev.cols == 1):
                     items[-1] = ReadItem(prev.file, prev.key, prev.src_dtype, prev.src_offset, prev.rows, prev.cols + 1,
-                                         prev.row_stride, prev.dst_offset, transposed=True)
+                                         prev.row_stride, prev.dst_offset, transposed=True,
+                                         stored_bytes_per_element=prev.stored_bytes_per_element)
                     continue
         items.append(item)
     return items
@@ -245,6 +255,9 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
         "config": model.config,
         "model_type": getattr(model.config, "model_type", type(model).__name__),
         "shape_of": lambda name: tuple(model.get_parameter(name).shape),
+        "dtype_of": lambda name: meta_state[name].dtype if name in meta_state else None,
+        "entry": lambda key: checkpoint.entries[key],
+        "computed": {},  # dequantize rules register the tensors they compute (dequantize.Computation)
     }
     converted: dict[str, tuple[Sym, torch.dtype]] = {}
     mismatched: set[tuple[str, tuple, tuple]] = set()
@@ -260,6 +273,8 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
                 mismatched.add((target, torch.Size(sym.shape), meta_state[target].shape))
             else:
                 converted[target] = (sym, target_dtype.get(first_name, meta_state[target].dtype))
+    for key, computation in ctx["computed"].items():
+        checkpoint.computed[key] = computation.resolve(checkpoint.entries)
     used = [c for c in weight_mapping if c.was_used()]
     return Resolution(converted, unexpected, mismatched, used, inputs)
 
