@@ -77,21 +77,29 @@ class Fp8Dequantized(ComputedEntry):
         return [self.weight, self.scale]
 
     def read_run(self, reader, start: int, out: torch.Tensor) -> None:
-        *lead, rows, cols = self.weight.shape
+        """Elements [start, start + n) of the dequantized weight, whole matrix rows at a time where the run allows."""
+        rows, cols = self.weight.shape[-2:]
         scale_rows, scale_cols = self.scale.shape[-2:] if len(self.scale.shape) >= 2 else (1, 1)
         block_m, block_n = rows // scale_rows, cols // scale_cols
-        for i in range(0, out.numel(), CHUNK_ELEMENTS):
-            n = min(CHUNK_ELEMENTS, out.numel() - i)
-            first = start + i
-            q = _read_flat(reader, self.weight, first, n).to(torch.float32)
-            index = torch.arange(first, first + n)
-            matrix, within = index // (rows * cols), index % (rows * cols)
-            scale_index = (matrix * (scale_rows * scale_cols) + (within // cols) // block_m * scale_cols
-                           + (within % cols) // block_n)
-            lo, hi = int(scale_index.min()), int(scale_index.max()) + 1
-            scales = _read_flat(reader, self.scale, lo, hi - lo)
+        step = max(cols, (CHUNK_ELEMENTS // cols) * cols)
+        done, n = 0, out.numel()
+        while done < n:
+            flat = start + done
+            # a partial row first (a run that starts mid-row), then as many whole rows as fit in one step
+            take = min(n - done, cols - flat % cols if flat % cols else step)
+            first_row, last_row = flat // cols, (flat + take - 1) // cols  # global rows (matrix * rows + row)
+            q = _read_flat(reader, self.weight, flat, take).to(torch.float32)
+            matrices = torch.arange(first_row, last_row + 1) // rows
+            scale_row = matrices * scale_rows + (torch.arange(first_row, last_row + 1) % rows) // block_m
+            lo, hi = int(scale_row.min()), int(scale_row.max()) + 1
+            scales = _read_flat(reader, self.scale, lo * scale_cols, (hi - lo) * scale_cols).view(hi - lo, scale_cols)
             s = (scales.to(torch.float32) - 127.0).exp2() if scales.dtype == torch.uint8 else scales.to(torch.float32)
-            out[i:i + n] = (q * s[scale_index - lo]).to(self.dtype)
+            # each row's scales, each repeated over its block of columns: [rows in this step, cols]
+            per_row = s[scale_row - lo].repeat_interleave(block_n, dim=1)
+            col0 = flat % cols
+            per_element = per_row.reshape(-1)[col0:col0 + take]
+            out[done:done + take] = (q * per_element).to(self.dtype)
+            done += take
 
 
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

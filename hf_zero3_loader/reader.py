@@ -163,7 +163,7 @@ def split_for_threads(item: ReadItem) -> list[ReadItem]:
         return [item]
     return [
         ReadItem(item.file, item.key, item.src_dtype, item.src_offset + i, 1, min(step, item.cols - i),
-                 min(step, item.cols - i), item.dst_offset + i)
+                 min(step, item.cols - i), item.dst_offset + i, stored_bytes_per_element=item.stored_bytes_per_element)
         for i in range(0, item.cols, step)
     ]
 
@@ -220,7 +220,7 @@ def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: Fi
             return
         execute_read(reader, item, entry, dst)
         if progress is not None:
-            progress(item.numel * item.src_dtype.itemsize)
+            progress(item.stored_bytes)
 
     if threads <= 1 or len(pieces) <= 1:
         for piece in pieces:

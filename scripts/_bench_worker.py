@@ -112,7 +112,10 @@ class SafetensorsBytes:
                 return t
 
             def __getattr__(self, name):
-                return getattr(getattr(self, "_entered", None) or self._inner, name)
+                inner = self.__dict__.get("_entered") or self.__dict__.get("_inner")
+                if inner is None:  # not constructed yet (copy, pickle): no recursion into ourselves
+                    raise AttributeError(name)
+                return getattr(inner, name)
 
         mu.safe_open = Counting
         return self
@@ -134,18 +137,27 @@ def ds_config(ep_size: int) -> dict:
     return {**DS_CONFIG, "expert_parallel": {"enabled": True, "autoep_size": ep_size}}
 
 
+EXTRA_KWARGS: dict = {}  # e.g. quantization_config for a quantized checkpoint (--dequantize)
+
+
 def load_ours(path: str, config: dict, **kwargs):
     from transformers import AutoModelForCausalLM
 
     import hf_zero3_loader
 
-    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config, **kwargs)
+    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config, **EXTRA_KWARGS, **kwargs)
 
 
 def load_upstream(path: str, config: dict):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **EXTRA_KWARGS)
+
+
+def load_plain(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **EXTRA_KWARGS)
 
 
 def initialize(model, config: dict):
@@ -275,7 +287,7 @@ def compare(meta: dict, tensors: dict, other: str) -> dict:
 # -- main ------------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=("ours", "upstream", "floor", "stream"), required=True)
+    ap.add_argument("--variant", choices=("ours", "upstream", "floor", "stream", "plain"), required=True)
     ap.add_argument("--path", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--spans-out")
@@ -285,8 +297,14 @@ def main() -> None:
     ap.add_argument("--compare-with")
     ap.add_argument("--floor-threads", type=int, default=4)
     ap.add_argument("--ep-size", type=int, default=0)
+    ap.add_argument("--dequantize", action="store_true",
+                    help="a quantized checkpoint: both variants pass FineGrainedFP8Config(dequantize=True)")
     args = ap.parse_args()
     config = ds_config(args.ep_size)
+    if args.dequantize:
+        from transformers import FineGrainedFP8Config
+
+        EXTRA_KWARGS["quantization_config"] = FineGrainedFP8Config(dequantize=True)
 
     import deepspeed
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401
@@ -337,6 +355,8 @@ def main() -> None:
             with counter, st_bytes:
                 if args.variant == "stream":  # one reader (rank 0, this node's) streams every other rank its bytes
                     model = load_ours(args.path, config, load_from="stream")
+                elif args.variant == "plain":  # single-process from_pretrained on rank 0 (no DeepSpeed), for scale
+                    model = load_plain(args.path) if rank == 0 else None
                 else:
                     model = (load_ours if args.variant == "ours" else load_upstream)(args.path, config)
                 if args.ep_size:
@@ -365,7 +385,7 @@ def main() -> None:
     })
     if args.variant == "floor":
         result["bytes_read"] = sum(n for _, _, n in spans)
-    elif args.variant == "upstream":
+    elif args.variant in ("upstream", "plain"):
         result["bytes_read"] = result["rchar"] + st_bytes.bytes
     elif args.variant in ("ours", "stream"):
         summary = model.hf_zero3_load_report.summary()
@@ -382,7 +402,7 @@ def main() -> None:
             with open(args.spans_out, "w") as f:
                 json.dump({str(r): s for r, s in enumerate(every)}, f)
 
-    if model is not None and (args.state_out or args.compare_with):
+    if args.variant != "plain" and (args.state_out or args.compare_with):
         t0 = time.perf_counter()
         keep = args.full_state or bool(args.compare_with and os.path.exists(args.compare_with + ".state.pt"))
         meta, tensors = gathered_state(model, keep=keep)

@@ -46,19 +46,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import REPO, MiB, launch, log_tail, make_checkpoint, table, warm_page_cache  # noqa: E402
 
-VARIANTS = ("ours", "floor", "upstream", "stream")  # ours first: the floor reads the byte ranges ours planned
+VARIANTS = ("ours", "floor", "upstream", "stream", "plain")  # ours first: the floor reads the byte ranges ours planned
 
 
 def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False,
-              stream: bool = False) -> dict:
+              stream: bool = False, fp8: bool = False) -> dict:
     """Every variant `repeats` times, interleaved (ours, floor, upstream, ours, ...); keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
     launched `repeats` times and the run whose slowest rank is the median is reported (all runs are in the JSON).
     """
-    d = os.path.join(workdir, f"w{world}{'_ep' if ep else ''}")
+    d = os.path.join(workdir, f"w{world}{'_ep' if ep else ''}{'_fp8' if fp8 else ''}")
     os.makedirs(d, exist_ok=True)
-    variants = ("ours", "upstream") if ep else VARIANTS if stream else VARIANTS[:3]
+    # FP8: ours, transformers' ZeRO-3 path (both dequantizing), and the plain single-process load on rank 0
+    variants = ("ours", "upstream") if ep else ("ours", "upstream", "plain") if fp8 else VARIANTS[:4] if stream else VARIANTS[:3]
     out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
                  "ep_size": world if ep else None}
     for rep in range(repeats):
@@ -69,8 +70,9 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
             if os.path.exists(result):
                 os.remove(result)
             args = ["--variant", variant, "--path", ckpt, "--result", result] + (["--ep-size", str(world)] if ep else [])
+            args += ["--dequantize"] if fp8 else []
             check = verify and rep == 0
-            if variant == "ours" and rep == 0:
+            if variant == "ours" and rep == 0 and not fp8:
                 args += ["--spans-out", os.path.join(d, "spans.json")]
             if variant == "ours" and check:
                 args += ["--state-out", os.path.join(d, "ours")]
@@ -194,6 +196,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="launches per variant and world size (median reported)")
     ap.add_argument("--ep", action="store_true", help="also run expert parallelism (ep_size = world size)")
     ap.add_argument("--ep-only", action="store_true", help="run only the expert parallelism rows")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="only the FP8 rows: the checkpoint in fine-grained FP8, dequantized while loading")
     ap.add_argument("--stream", action="store_true",
                     help="also run load_from='stream': rank 0 reads and streams every other rank its bytes")
     args = ap.parse_args()
@@ -224,10 +228,18 @@ def main() -> None:
     report: dict = {"checkpoint": {"path": ckpt, **meta}, "worlds": {}}
     texts = []
     modes = ([] if args.ep_only else [False]) + ([True] if args.ep or args.ep_only else [])
+    if args.fp8_only:
+        sys.path.insert(0, REPO)
+        from tests.checkpoints import fp8_checkpoint
+
+        ckpt = fp8_checkpoint(ckpt, os.path.join(workdir, "ckpt_fp8"))
+        files = [f for f in os.listdir(ckpt) if f.endswith(".safetensors")]
+        print(f"FP8 checkpoint {ckpt}: {sum(os.path.getsize(os.path.join(ckpt, f)) for f in files) / MiB:.1f} MiB")
+        modes = [False]
     for ep in modes:
         for world in worlds:
             run = run_world(world, ckpt, workdir, verify=world == verify_world, timeout=args.timeout,
-                            repeats=args.repeats, ep=ep, stream=args.stream)
+                            repeats=args.repeats, ep=ep, stream=args.stream, fp8=args.fp8_only)
             text, summary = summarize(world, run, ckpt_bytes)
             run.update(summary)
             report["worlds"][f"{world}{'_ep' if ep else ''}"] = run

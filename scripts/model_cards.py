@@ -71,6 +71,27 @@ FEATURED = {
         "**On disk**: per-expert tensors, shared expert and gate as in Qwen2-MoE; linear-attention (gated delta net) and "
         "full-attention layers.",
     ]),
+    "fp8": ("Fine-grained FP8 checkpoints (DeepSeek-V3/R1, Qwen3-FP8, GLM-4.5-FP8, ...)", "fp8.md", [
+        "**On disk**: each quantized Linear weight in `float8_e4m3fn` with a float32 `weight_scale_inv` per block "
+        "(usually 128 x 128; any grid that divides the weight); `modules_to_not_convert` stay bf16.",
+        "**Loading**: transformers' `Fp8Dequantize` runs first in each converter chain (per-expert weights are "
+        "dequantized, then merged). Here each rank reads the FP8 bytes of its partition's elements and the scale rows "
+        "covering them, and computes `(weight * scale).to(dtype)` exactly as the op does; the plan counts ~1 byte an "
+        "element instead of 2. Ask for it as transformers users do: `quantization_config=FineGrainedFP8Config("
+        "dequantize=True)` (on a machine without a suitable GPU transformers switches to it by itself, with its "
+        "warning). Keeping the weights in FP8 is refused under ZeRO-3 with what to pass instead.",
+    ]),
+    "mxfp4": ("MXFP4 checkpoints (GPT-OSS)", "mxfp4.md", [
+        "**On disk**: GPT-OSS experts as `*_blocks` (two FP4 values a byte, 32 a block) and `*_scales` (E8M0 "
+        "exponents); the rest bf16.",
+        "**Loading**: transformers' `Mxfp4Dequantize` (`quantization_config=Mxfp4Config(dequantize=True)`) unpacks and "
+        "transposes; here each rank reads the blocks and exponents under its partition and computes its elements "
+        "with the same lookup table and `ldexp`.",
+    ]),
+    "ernie4_5_vl_moe": ("Ernie 4.5 VL MoE", "ernie4_5_vl_moe.md", [
+        "**Conversion**: `ErnieFuseAndSplitTextVisionExperts` splits each expert list into text and vision halves and "
+        "fuses gate and up of each half; a shard-on-read rule stacks and concatenates the same pieces symbolically.",
+    ]),
     "minimax_m3_vl_text": ("MiniMax-M3 (text)", "minimax_m3_vl.md", [
         "**On disk**: fused `mlp.experts.gate_up_proj` / `down_proj` as in the model (no conversion op), shared experts, "
         "router correction bias. AutoEP's preset computes its clamped SwiGLU.",
@@ -80,7 +101,8 @@ FEATURED = {
 
 def verification() -> dict:
     """family -> list of (what, where) lines, from the tests' own definitions."""
-    from tests import families, test_expert_parallel, test_fidelity, test_missing_and_guards, test_streaming
+    from tests import (families, test_expert_parallel, test_fidelity, test_missing_and_guards, test_quantized,
+                       test_streaming)
 
     found: dict[str, list[tuple[str, str]]] = {}
 
@@ -115,6 +137,12 @@ def verification() -> dict:
     for family, worlds in test_streaming.STREAMED.items():
         add(family, f"streamed to ranks without the files at world sizes {', '.join(map(str, worlds))}",
             "tests/test_streaming.py")
+    for fmt, fams in test_quantized.FORMATS.items():
+        worlds = ", ".join(map(str, test_quantized.WORLD_SIZES))
+        add(fmt, f"{', '.join(fams)} in {fmt.upper()} at world sizes {worlds}: every gathered parameter equal to the "
+                 "plain dequantized load; each rank reads its share of the quantized bytes and the scales it touches",
+            "tests/test_quantized.py")
+    add("ernie4_5_vl_moe", "world sizes 2, 3, 4: bit-exact, text and vision experts", "tests/test_quantized.py")
     for family in families.SWEEP:
         add(family, f"family sweep: world sizes {', '.join(map(str, families.SWEEP_WORLD_SIZES))}, bit-exact",
             "tests/test_families.py")

@@ -20,6 +20,8 @@ from tests.conftest import run_torchrun
 from tests.dist_worker import quantization_config
 
 WORLD_SIZES = (1, 2, 3, 4)
+# format -> families loaded in that format here (read by scripts/model_cards.py)
+FORMATS = {"fp8": ("qwen3_moe", "llama"), "mxfp4": ("gpt_oss",)}
 
 
 def _qwen_fp8_config():
