@@ -2,12 +2,15 @@
 
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, DistributedLoadError, LoaderError, UnsupportedConversionError
 from .loader import LoadReport, from_pretrained
+from .saving import SaveReport, save_pretrained
 
 __version__ = "0.1.0"
 
 __all__ = [
     "from_pretrained",
+    "save_pretrained",
     "LoadReport",
+    "SaveReport",
     "LoaderError",
     "CheckpointError",
     "ConfigError",

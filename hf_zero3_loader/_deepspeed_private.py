@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +73,34 @@ class ZeroParamFactory:
         param.ds_numel_aligned = partition.numel() * param.ds_zero_partition_world_size
         param.data = empty_data
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def is_zero3_param(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
+
+
+@dataclass(frozen=True)
+class Zero3Partition:
+    """A ZeRO-3 parameter's local piece: flat range [rank * size, ...) of the logical tensor, over `group`."""
+
+    tensor: torch.Tensor  # flat, `ceil(numel / group_size)` elements (the last rank's padded)
+    group_size: int
+    rank: int
+    group: object
+
+
+def zero3_partition(param: torch.Tensor) -> Zero3Partition:
+    """The partition a save writes (the engine's 16-bit copy, updated by every optimizer step)."""
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    partition = param.ds_tensor
+    if getattr(partition, "status", PartitionedParamStatus.AVAILABLE) != PartitionedParamStatus.AVAILABLE:
+        from .errors import ConfigError
+
+        raise ConfigError("a ZeRO-3 partition is not in memory (swapped out to NVMe by offload_param: nvme); saving "
+                          "without a gather needs partitions in device or CPU memory")
+    return Zero3Partition(partition.data.view(-1), param.ds_zero_partition_world_size, param.ds_zero_partition_rank,
+                          param.ds_process_group)
 
 
 # -- expert parallelism --------------------------------------------------------------------------------------------

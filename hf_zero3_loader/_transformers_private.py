@@ -6,6 +6,11 @@
   duration of one call, so transformers still resolves files, config, dtype, the conversion mapping and
   generation config, and we only replace how bytes reach the parameters and how missing keys are set.
 - `modeling_utils._tied_params_are_equal`: made ZeRO-3 aware (it compares `(0,)` placeholders otherwise).
+- `modeling_utils.safe_save_file` / `split_torch_state_dict_into_shards` (the names `save_pretrained` calls): replaced
+  while `save_pretrained` runs on a meta skeleton, so transformers decides every file of a save (keys after reverting
+  the conversions, dtypes, shard split, index, config) and we write the tensor bytes (`saving.py`); the skeleton's
+  `should_save_on_this_rank` (transformers' `distributed/mixin.py`) says yes on every rank.
+- `core_model_loading.revert_weight_conversion`'s choice of conversions (`conversions_for_save`).
 """
 
 from __future__ import annotations
@@ -144,3 +149,64 @@ def loading_conversion_ops() -> set[type]:
         if dequantize is not None:
             ops.add(dequantize)
     return ops
+
+
+def meta_storage_id(tensor):
+    """huggingface_hub's storage id, also for meta tensors: views of one meta tensor share its storage (as views of a
+    real tensor do), so a save planned on meta groups and sizes them as the real save does."""
+    from huggingface_hub.serialization._torch import get_torch_storage_id, get_torch_storage_size
+
+    if tensor.device.type != "meta":
+        return get_torch_storage_id(tensor)
+    return tensor.device, tensor.untyped_storage()._cdata, get_torch_storage_size(tensor)
+
+
+def split_state_dict_on_meta(state_dict, filename_pattern, max_shard_size):
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from huggingface_hub.serialization._torch import get_torch_storage_size
+
+    return split_state_dict_into_shards_factory(state_dict, max_shard_size=max_shard_size,
+                                                filename_pattern=filename_pattern,
+                                                get_storage_size=get_torch_storage_size, get_storage_id=meta_storage_id)
+
+
+@contextmanager
+def captured_weight_files(model, record: Callable):
+    """While active, `model.save_pretrained` writes every file but the weight shards, on any rank (not only on rank 0,
+    as `should_save_on_this_rank` decides); each shard's tensors (meta) and metadata go to
+    `record(path, tensors, metadata)`."""
+    import transformers.modeling_utils as mu
+
+    saved = mu.safe_save_file, mu.split_torch_state_dict_into_shards
+    mu.safe_save_file = lambda tensors, filename, metadata=None: record(filename, tensors, metadata)
+    mu.split_torch_state_dict_into_shards = split_state_dict_on_meta
+    model.should_save_on_this_rank = lambda is_main_process: True
+    try:
+        yield
+    finally:
+        mu.safe_save_file, mu.split_torch_state_dict_into_shards = saved
+        del model.should_save_on_this_rank
+
+
+def conversions_for_save(model) -> list:
+    """The conversions `revert_weight_conversion` reverses for `model` (the same choice): the ones used when it was
+    loaded, else the model type's defaults without prefix changes."""
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    return list(conversions or [])
+
+
+def meta_model(model_class, config, dtype):
+    """`model_class` built from `config` on meta, weights not initialised, tied as transformers ties them."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    with hidden_hf_zero3(), torch.device("meta"), no_init_weights():
+        model = model_class._from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model

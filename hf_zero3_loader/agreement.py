@@ -182,15 +182,16 @@ class Agreement:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
-    def check(self, phase: str, error: BaseException | None = None, same: dict | None = None) -> None:
+    def check(self, phase: str, error: BaseException | None = None, same: dict | None = None,
+              differs: str = "are not loading the same checkpoint") -> None:
         """Every rank calls this at the same points; raise on every rank if `error` is set on any rank, or if
-        `same` (label -> value) differs from the first rank's."""
+        `same` (label -> value) differs from the first rank's (then: "ranks A and B {differs}: ...")."""
         if isinstance(error, AgreedFailure):
             raise error
         key = f"{self.prefix}/point{next(self.points)}"
         try:
             if error is None and same is not None:
-                error = self._compare(key, same)
+                error = self._compare(key, same, differs)
             if error is not None:
                 payload = json.dumps([self.rank, type(error).__module__, type(error).__qualname__, str(error)])
                 self.store.compare_set(f"{key}/error", "", payload)  # the first failure wins
@@ -228,7 +229,19 @@ class Agreement:
             raise _store_lost(e) from e
         return [json.loads(v) for v in raw]
 
-    def _compare(self, key: str, same: dict) -> BaseException | None:
+    def share(self, name: str, value=None):
+        """Values one rank computes and the others read, through the store: the owner calls `share(name, value)`
+        before an agreement point, the others `share(name)` after it."""
+        key = f"{self.prefix}/shared/{name}"
+        try:
+            if value is not None:
+                self.store.set(key, json.dumps(value))
+                return value
+            return json.loads(self.store.get(key))
+        except Exception as e:
+            raise _store_lost(e) from e
+
+    def _compare(self, key: str, same: dict, differs: str) -> BaseException | None:
         mine = {"rank": self.rank, "values": same}
         stored = self.store.compare_set(f"{key}/reference", "", json.dumps(mine)).decode()
         reference = json.loads(stored)
@@ -238,9 +251,10 @@ class Agreement:
         for label in list(theirs) + [k for k in same if k not in theirs]:
             if theirs.get(label) != same.get(label):
                 return errors.CheckpointError(
-                    f"ranks {reference['rank']} and {self.rank} are not loading the same checkpoint: "
+                    f"ranks {reference['rank']} and {self.rank} {differs}: "
                     f"{label} differs ({_short(theirs.get(label))} on rank {reference['rank']}, "
-                    f"{_short(same.get(label))} on rank {self.rank}); give every rank the same copy")
+                    f"{_short(same.get(label))} on rank {self.rank})"
+                    + ("; give every rank the same copy" if "checkpoint" in differs else ""))
         return None
 
     @contextmanager

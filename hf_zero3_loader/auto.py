@@ -1,5 +1,7 @@
-"""`import hf_zero3_loader.auto`: every `from_pretrained` under DeepSpeed ZeRO-3 loads shard-on-read."""
+"""`import hf_zero3_loader.auto`: every `from_pretrained` under DeepSpeed ZeRO-3 loads shard-on-read, and
+`Trainer.save_model` / `Accelerator.save_model` save a ZeRO-3 model without a gather."""
 
-from .integrations.transformers_hook import install
+from .integrations import saving_hooks, transformers_hook
 
-install()
+transformers_hook.install()
+saving_hooks.install()

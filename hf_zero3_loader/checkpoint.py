@@ -330,6 +330,55 @@ def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
     return checkpoint
 
 
+# -- the other direction: the header `safetensors.torch.save_file` writes, computed from shapes and dtypes alone ------
+
+# safetensors orders a file's tensors by dtype (its Dtype enum, largest first), then by name (safetensors 0.8 `prepare`)
+SAFETENSORS_DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16",
+                           "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """A safetensors file before any tensor byte exists: its header and where each tensor's bytes go."""
+
+    name: str
+    header: bytes  # the 8-byte length and the JSON header, padded as safetensors pads it
+    entries: dict[str, TensorEntry]  # key -> entry, `data_start` absolute in the file, `file` = name
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(e.nbytes for e in self.entries.values())
+
+
+def plan_safetensors_file(name: str, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                          metadata: dict[str, str] | None) -> PlannedFile:
+    """The bytes `safetensors.torch.save_file(tensors, name, metadata)` writes before the data, and each tensor's
+    data offset: tensors sorted by dtype then name, compact JSON with `__metadata__` first, padded with spaces to a
+    multiple of 8."""
+    for key, (_, dtype) in tensors.items():
+        if dtype not in SAFETENSORS_NAMES:
+            raise CheckpointError(f"{key}: dtype {dtype} cannot be written to a safetensors file")
+    rank = {dtype: i for i, dtype in enumerate(SAFETENSORS_DTYPE_ORDER)}
+    order = sorted(tensors, key=lambda k: (-rank[SAFETENSORS_NAMES[tensors[k][1]]], k))
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset, relative = 0, {}
+    for key in order:
+        shape, dtype = tensors[key]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        relative[key] = offset
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    data_start = 8 + len(raw)
+    entries = {key: TensorEntry(key=key, file=name, dtype=tensors[key][1], shape=tuple(tensors[key][0]),
+                                data_start=data_start + relative[key]) for key in order}
+    return PlannedFile(name, struct.pack("<Q", len(raw)) + raw, entries)
+
+
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 

@@ -53,6 +53,7 @@ class LoadReport:
     phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
     expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
     stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
+    expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
 
     @contextmanager
     def phase(self, name: str):
@@ -169,6 +170,7 @@ class _Zero3Load:
             if layout is not None:
                 layout.check_loaded(plan)
                 self.report.expert_parallel = layout.summary(plan)
+                self.report.expert_parallel_layout = layout
             if isinstance(load_config.dtype, torch.dtype):
                 self._params_in_engine_dtype(plan, load_config.dtype)
             self._refuse_broken_conversion(model, plan)

@@ -213,22 +213,31 @@ def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: Fi
     `progress(nbytes)` is called as pieces complete. The first failure, or an interrupt, cancels every queued
     read at once; reads already running finish their piece (at most STAGING_BYTES each)."""
     pieces = [(p, entry, dst) for item, entry, dst in jobs for p in split_for_threads(item)]
-    stop = threading.Event()
 
     def one(item, entry, dst):
-        if stop.is_set():
-            return
         execute_read(reader, item, entry, dst)
         if progress is not None:
             progress(item.stored_bytes)
 
-    if threads <= 1 or len(pieces) <= 1:
-        for piece in pieces:
-            one(*piece)
+    run_in_threads(pieces, one, threads)
+
+
+def run_in_threads(tasks: list[tuple], one, threads: int) -> None:
+    """`one(*task)` for every task, in `threads` threads. The first failure, or an interrupt, cancels every queued
+    task at once; tasks already running finish."""
+    stop = threading.Event()
+
+    def guarded(*task):
+        if not stop.is_set():
+            one(*task)
+
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            one(*task)
         return
     pool = ThreadPoolExecutor(max_workers=threads)
     try:
-        futures = [pool.submit(one, *piece) for piece in pieces]
+        futures = [pool.submit(guarded, *task) for task in tasks]
         pending = futures
         while pending:  # short waits: the main thread gets back to Python often, so Ctrl-C lands at once
             done, pending = wait(pending, timeout=0.1, return_when=FIRST_EXCEPTION)

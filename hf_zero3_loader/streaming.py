@@ -269,6 +269,17 @@ class Piece:
             dst.view(i.rows, i.cols)[self.r0:self.r1, self.c0:self.c1].copy_(part)
 
 
+    def pack(self, partition: torch.Tensor, data: torch.Tensor) -> None:
+        """The reverse of `place`, for a save: copy the piece's elements from the partition into `data`."""
+        i = self.item
+        part = data.view(self.r1 - self.r0, self.c1 - self.c0)
+        src = partition[i.dst_offset:i.dst_offset + i.numel]
+        if i.transposed:
+            part.copy_(src.view(i.cols, i.rows)[self.c0:self.c1, self.r0:self.r1].t())
+        else:
+            part.copy_(src.view(i.rows, i.cols)[self.r0:self.r1, self.c0:self.c1])
+
+
 def stream_chunks(plan: LoadPlan, chunk_bytes: int) -> list[tuple[str, list[list[Piece]]]]:
     """[(file name, chunks of pieces)], files in name order; a chunk never spans two files nor exceeds chunk_bytes.
     Both the reader and the receiver compute this from the receiver's plan."""
@@ -391,3 +402,67 @@ class Streamer:
                 for piece in chunk:
                     data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
                     piece.place(data, destinations[piece.tensor])
+
+    # -- a save: the same pieces and chunks, flowing the other way ----------------------------------------------------
+
+    def send_partitions(self, plan: LoadPlan, sink: int, partitions: dict[str, torch.Tensor]) -> None:
+        """Send the rank `sink` (which writes the files) this rank's plan's bytes from its partitions, chunk by chunk,
+        packing the next chunk while the previous one is on the wire."""
+        import torch.distributed as dist
+
+        buffers = [self._buffer(self.chunk_bytes) for _ in range(2)]
+        in_flight: list[list] = [[], []]
+        turn, between_chunks = 0, True
+        try:
+            for _, chunks in stream_chunks(plan, self.chunk_bytes):
+                for chunk in chunks:
+                    for work in in_flight[turn][:2]:
+                        work.wait()
+                    buf = buffers[turn]
+                    for piece in chunk:
+                        view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+                        piece.pack(partitions[piece.tensor].to(self.device), view)
+                    size = _chunk_size(chunk)
+                    status = torch.tensor([OK, size], dtype=torch.int64, device=self.device)
+                    between_chunks = False
+                    in_flight[turn] = [dist.isend(status, sink), dist.isend(buf[:size], sink), status]
+                    between_chunks = True
+                    self.bytes_sent += sum(p.nbytes for p in chunk)
+                    turn = 1 - turn
+            for sends in in_flight:
+                for work in sends[:2]:
+                    work.wait()
+        except BaseException:
+            if between_chunks:  # the sink waits for a status: tell it
+                try:
+                    dist.send(torch.tensor([FAILED, 0], dtype=torch.int64, device=self.device), sink)
+                except Exception:
+                    pass
+            raise
+
+    def receive_to_files(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_writer, folder: str) -> None:
+        """Receive each sending rank's plan's bytes and write them where its plan puts them in the files."""
+        import torch.distributed as dist
+
+        from .writer import execute_write
+
+        buf = self._buffer(self.chunk_bytes)
+        status = torch.empty(2, dtype=torch.int64, device=self.device)
+        for source in sorted(plans):
+            for _, chunks in stream_chunks(plans[source], self.chunk_bytes):
+                for chunk in chunks:
+                    dist.recv(status, source)
+                    if int(status[0]) != OK:
+                        raise PeerFailed(f"rank {source}, which streams its partitions to this rank, failed")
+                    size = _chunk_size(chunk)
+                    if int(status[1]) != size:
+                        raise LoaderError(f"internal error: rank {source} sent {int(status[1])} bytes, {size} expected")
+                    dist.recv(buf[:size], source)
+                    data = buf[:size].cpu()
+                    self.bytes_received += sum(p.nbytes for p in chunk)
+                    for piece in chunk:
+                        item = piece.source()
+                        item = ReadItem(os.path.join(folder, item.file), item.key, item.src_dtype, item.src_offset,
+                                        item.rows, item.cols, item.row_stride, 0)
+                        execute_write(file_writer, item, checkpoint.entries[item.key].data_start,
+                                      data[piece.offset:piece.offset + piece.nbytes].view(item.src_dtype))

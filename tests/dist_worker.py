@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
 Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional),
-"checkpoint_roundtrip"(optional), "all_ranks_state"(optional)}.
+"checkpoint_roundtrip"(optional), "all_ranks_state"(optional), "save"(optional: {"dir", "kwargs", "reference"})}.
 Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
 the collectives each rank saw during the load (with "all_ranks_state", every rank's gathered state: under expert
 parallelism each rank gathers its own experts).
@@ -251,7 +251,88 @@ def run_case(case: dict) -> dict:
                                         case.get("seq_len", 12))
         if case.get("checkpoint_roundtrip"):
             result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
+    if case.get("save"):
+        save_case(case, engine if case.get("train_steps") else model, model, result)
     return result
+
+
+def save_case(case: dict, target, model, result: dict) -> None:
+    """hf_zero3_loader.save_pretrained(target, ...) on every rank, counting collectives and allocations; then the
+    parameters as trained (gathered), and on rank 0 transformers' own save_pretrained of them (the reference)."""
+    import hf_zero3_loader
+
+    spec = case["save"]
+    undo_fault = inject_save_fault(case)
+    counter, largest = CollectiveCounter(), LargestAllocation()
+    try:
+        with counter, largest:
+            report = hf_zero3_loader.save_pretrained(target, spec["dir"], **spec.get("kwargs", {}))
+    except Exception as e:
+        result["save_error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
+                                "message": str(e), "traceback": traceback.format_exc()}
+        return
+    finally:
+        undo_fault()
+    result["save"] = report.summary()
+    result["save_collectives"] = {"calls": counter.calls, "bytes": counter.bytes}
+    result["save_largest_allocation_bytes"] = largest.largest_bytes
+    result["trained_state"] = gather_state(model)
+    layout = model.hf_zero3_load_report.expert_parallel_layout
+    if spec.get("reference") and layout is None and dist.get_rank() == 0:
+        save_reference(model, result["trained_state"], spec["dir"] + ".reference", spec.get("kwargs", {}))
+
+
+def save_reference(model, state: dict, folder: str, kwargs: dict) -> None:
+    """What `save_pretrained` writes for the gathered model: a plain (unpartitioned) model holding `state`."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero3_loader import _transformers_private as hf_private
+
+    with hf_private.hidden_hf_zero3(), torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(model.config)
+    own = plain.state_dict()
+    plain.load_state_dict({k: v for k, v in state.items() if k in own}, assign=True, strict=True)
+    plain.tie_weights()
+    if getattr(model, "_weight_conversions", None) is not None:
+        plain._weight_conversions = model._weight_conversions
+    plain.save_pretrained(folder, **{k: v for k, v in kwargs.items() if k in ("max_shard_size", "variant")})
+
+
+def inject_save_fault(case: dict):
+    """A save that fails, dies or stops on one rank while it writes its partitions."""
+    import signal
+
+    import hf_zero3_loader.saving as saving
+    import hf_zero3_loader.writer as writer
+
+    fault = case.get("save_inject")
+    if not fault or dist.get_rank() not in (fault["rank"] if isinstance(fault["rank"], list) else [fault["rank"]]):
+        return lambda: None
+    saved = [(writer.FileWriter, "write_from", writer.FileWriter.write_from),
+             (saving, "_sees_folder", saving._sees_folder)]
+    real_write = writer.FileWriter.write_from
+    calls = [0]
+
+    def write_from(self, path, offset, src):
+        calls[0] += 1
+        if calls[0] > fault.get("after", 2):
+            if fault["kind"] == "raise_in_write":
+                raise OSError(28, "No space left on device (injected)")
+            if fault["kind"] == "die_in_write":
+                os._exit(17)
+            if fault["kind"] == "stop_in_write":
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return real_write(self, path, offset, src)
+
+    if fault["kind"] == "cannot_see_folder":  # another node's filesystem: the writer's folder is not there
+        saving._sees_folder = lambda temp, token: (False, f"{temp} is not visible here (injected)")
+    else:
+        writer.FileWriter.write_from = write_from
+
+    def undo():
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    return undo
 
 
 def main() -> None:
@@ -264,9 +345,10 @@ def main() -> None:
     for case in cases:
         result = run_case(case)
         if case.get("per_rank_out"):  # written before any collective: a dead peer cannot stop it
-            torch.save({k: v for k, v in result.items() if k != "state"}, f"{case['out']}.rank{dist.get_rank()}")
+            torch.save({k: v for k, v in result.items() if k not in ("state", "trained_state")},
+                       f"{case['out']}.rank{dist.get_rank()}")
         results = [None] * dist.get_world_size()
-        keep = (lambda k: True) if case.get("all_ranks_state") else (lambda k: k != "state")
+        keep = (lambda k: True) if case.get("all_ranks_state") else (lambda k: k not in ("state", "trained_state"))
         dist.all_gather_object(results, {k: v for k, v in result.items() if keep(k)})
         if dist.get_rank() == 0:
             torch.save({"rank0": result, "ranks": results}, case["out"])

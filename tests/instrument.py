@@ -81,9 +81,17 @@ class CollectiveCounter:
         return sum(b for n, b in self.bytes.items() if not n.endswith("_object") and n != "broadcast_object_list")
 
 
+def _storage_ptr(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except Exception:
+        return None
+
+
 class LargestAllocation(TorchDispatchMode):
-    """Records the largest tensor storage (in elements, and in bytes) any aten op produced on a real (non-meta)
-    device while active, in this thread (dispatch modes are thread-local)."""
+    """Records the largest tensor storage (in elements, and in bytes) any aten op allocated on a real (non-meta)
+    device while active, in this thread (dispatch modes are thread-local). Views of an input's storage are not
+    allocations (a slice of the engine's flat parameter buffer is not its size)."""
 
     def __init__(self):
         super().__init__()
@@ -92,8 +100,9 @@ class LargestAllocation(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {_storage_ptr(a) for a in [*args, *(kwargs or {}).values()] if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (list, tuple)) else [out]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and _storage_ptr(t) not in inputs:  # not a view
                 try:
                     nbytes = t.untyped_storage().nbytes()
                 except Exception:

@@ -297,6 +297,22 @@ def missing_inputs(resolution: Resolution, target: str, model_shape: tuple) -> l
     return missing
 
 
+def model_tensors(model: torch.nn.Module) -> list[tuple[list[str], bool, tuple[int, ...], torch.dtype]]:
+    """(names, is_param, logical shape, dtype) of each distinct tensor of `model`'s state dict, in state-dict order.
+    A meta skeleton, or a live ZeRO-3 model: a partitioned parameter shows its logical shape (`ds_shape`) and the
+    dtype of its partition."""
+    params = {id(p) for p in model.parameters()}
+    by_id: dict[int, tuple[list[str], bool, tuple[int, ...], torch.dtype]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in by_id:
+            by_id[id(tensor)][0].append(name)
+            continue
+        shape = tuple(tensor.ds_shape) if hasattr(tensor, "ds_shape") else tuple(tensor.shape)
+        dtype = tensor.ds_tensor.dtype if getattr(tensor, "ds_tensor", None) is not None else tensor.dtype
+        by_id[id(tensor)] = ([name], id(tensor) in params, shape, dtype)
+    return list(by_id.values())
+
+
 def plan_tensors(
     model: torch.nn.Module,
     resolution: Resolution,
@@ -308,18 +324,15 @@ def plan_tensors(
 ) -> LoadPlan:
     """This rank's plan for every tensor of `model`'s state dict (each tensor once, under its first name).
     `sources` maps a tensor to a box of another resolved tensor when the model was reshaped after resolution."""
-    params = {id(p) for p in model.parameters()}
     mismatched_names = {m[0] for m in resolution.mismatched_keys}
     tensors: dict[str, TensorPlan] = {}
-    seen: set[int] = set()
-    for name, meta in model.state_dict(keep_vars=True).items():
-        if id(meta) in seen:  # an alias (e.g. AutoEP's router under the transformers name)
-            continue
-        seen.add(id(meta))
-        is_param = id(meta) in params
-        source = (sources or {}).get(name) or SourceBox(name)
+    source_of = lambda name: (sources or {}).get(name) or SourceBox(name)  # noqa: E731
+    for names, is_param, shape, own_dtype in model_tensors(model):
+        # aliases (tied weights, AutoEP's router under the transformers name): planned once, under a name the
+        # resolution provides if one does
+        name = next((n for n in names if source_of(n).source in resolution.converted), names[0])
+        source = source_of(name)
         group = group_of(name) if is_param else None
-        shape = tuple(meta.shape)
         numel = math.prod(shape)
         start, end, per_rank = partition_range(numel, group) if is_param else (0, numel, numel)
         if source.source in resolution.converted:
@@ -328,7 +341,7 @@ def plan_tensors(
             if tuple(sym.shape) != shape:
                 raise LoaderError(f"internal planning error for {name}: source {sym.shape} vs model {shape}")
         else:
-            sym, dtype = None, meta.dtype
+            sym, dtype = None, own_dtype
             status = "mismatched" if source.source in mismatched_names else "missing"
         plan = TensorPlan(name=name, kind="param" if is_param else "buffer", shape=shape, dtype=dtype, group=group,
                           start=start, end=end, partition_numel=per_rank, status=status)

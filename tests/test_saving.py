@@ -1,0 +1,230 @@
+"""Saving without a gather (`hf_zero3_loader.save_pretrained`): load, train a few optimizer steps, save from every
+rank's partitions; then
+
+- a plain single-process `from_pretrained` of the saved folder reports no missing or unexpected key and equals the
+  gathered trained parameters bit for bit and dtype for dtype (under expert parallelism: each rank's local experts
+  are the matching slices of transformers' fused experts);
+- the folder's files equal, byte for byte, what transformers' own `save_pretrained` writes for the gathered model
+  (same file names, keys, dtypes, shapes, shard assignment, index, config, generation config);
+- each rank writes exactly its partitions' bytes, no collective runs, no buffer larger than the staging budget;
+- a failure on any rank leaves no checkpoint that looks complete, and every rank raises the same error;
+- ranks that cannot see the folder stream their bytes to a rank that can.
+
+World sizes 1-4, dense and MoE, tied and untied, with and without expert parallelism, sizes that do and do not divide.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpoints import ep_config, make_checkpoint
+from tests.conftest import run_nodes, run_ranks, run_torchrun
+from tests.dist_worker import ds_config_for
+from tests.test_expert_parallel import ep_ds_config, expected
+
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+STAGING = 4096  # a small staging budget, so the bound below means something
+
+# world size -> [(family, ep_size or None, engine dtype, max_shard_size)]
+SAVES = {
+    1: [("llama_tied", None, "bfloat16", "10GB"), ("qwen3_moe", None, "float32", "20KB")],
+    2: [("llama_untied", None, "bfloat16", "20KB"), ("mixtral", None, "bfloat16", "20KB"),
+        ("qwen3_moe", 2, "bfloat16", "20KB")],
+    3: [("llama_tied", None, "bfloat16", "20KB"), ("qwen3_moe", None, "bfloat16", "20KB"),
+        ("qwen2_moe", 3, "float32", "10GB")],
+    4: [("qwen3_moe", None, "bfloat16", "20KB"), ("deepseek_v3", 2, "bfloat16", "20KB")],
+}
+
+
+def source(workdir: str, family: str, ep: int | None) -> str:
+    if ep is not None or family == "deepseek_v3":
+        return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family))
+    return make_checkpoint(os.path.join(workdir, family), family)
+
+
+def save_case(workdir: str, world_size: int, family: str, ep: int | None, dtype: str, shard: str, **extra) -> dict:
+    name = f"w{world_size}_{family}_ep{ep}_{dtype}"
+    folder = os.path.join(workdir, "saved", name)
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder + ".reference", ignore_errors=True)
+    return {"name": name, "family": family, "ep_size": ep, "path": source(workdir, family, ep), "dtype": dtype,
+            "ds_config": ep_ds_config(ep, dtype) if ep else ds_config_for(dtype), "train_steps": 2,
+            "kwargs": {"experts_implementation": "eager"} if family in MOE else {},
+            "all_ranks_state": ep is not None, "out": os.path.join(workdir, f"save_{name}.pt"),
+            "save": {"dir": folder, "reference": True,
+                     "kwargs": {"max_shard_size": shard, "staging_bytes": STAGING, "write_threads": 1}}, **extra}
+
+
+_dumps: dict = {}
+
+
+def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
+    if world_size not in _dumps:
+        cases = [save_case(workdir, world_size, *spec) for spec in SAVES[world_size]]
+        _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
+    return _dumps[world_size]
+
+
+def plain_load(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    return model, info
+
+
+def same_files(a: str, b: str) -> None:
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b)), (names, sorted(os.listdir(b)))
+    for name in names:
+        with open(os.path.join(a, name), "rb") as fa, open(os.path.join(b, name), "rb") as fb:
+            assert fa.read() == fb.read(), f"{name} differs between {a} and {b}"
+
+
+@pytest.mark.parametrize("world_size", sorted(SAVES))
+def test_saved_folder_loads_back_as_the_trained_model_and_equals_plain_save_pretrained(workdir, world_size):
+    for case, dump in dumps(workdir, world_size):
+        for r in dump["ranks"]:
+            assert "error" not in r and "save_error" not in r, (case["name"], r.get("error") or r.get("save_error"))
+        folder = case["save"]["dir"]
+        model, info = plain_load(folder)
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (case["name"], info)
+        plain = {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
+                                             *model.named_buffers(remove_duplicate=False)]}
+        if case["ep_size"] is None:
+            trained = dump["rank0"]["trained_state"]
+            assert set(trained) == set(plain), (case["name"], set(trained) ^ set(plain))
+            for name, want in trained.items():
+                got = plain[name]
+                assert got.dtype == want.dtype and torch.equal(got, want), f"{case['name']}: {name}"
+            same_files(folder, folder + ".reference")  # transformers' save_pretrained of the gathered model
+        else:
+            for r in dump["ranks"]:  # each rank gathered its own experts (over its expert-data-parallel group)
+                ep_rank = r["rank"] % case["ep_size"]
+                for name, actual in r["trained_state"].items():
+                    if name.endswith(".tokens_per_expert"):
+                        continue
+                    _, want = expected(name, plain, ep_rank, case["ep_size"])
+                    assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']}: {name}"
+            reference = folder + ".reference"
+            shutil.rmtree(reference, ignore_errors=True)
+            model.save_pretrained(reference, max_shard_size=case["save"]["kwargs"]["max_shard_size"])
+            same_files(folder, reference)
+
+
+@pytest.mark.parametrize("world_size", sorted(SAVES))
+def test_each_rank_writes_its_share_runs_no_collective_and_stays_in_the_staging_budget(workdir, world_size):
+    from hf_zero3_loader.checkpoint import open_checkpoint
+
+    for case, dump in dumps(workdir, world_size):
+        folder = case["save"]["dir"]
+        files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        total = open_checkpoint(files).nbytes
+        ranks = dump["ranks"]
+        shares = [r["save"]["partition_bytes"] for r in ranks]
+        for r in ranks:
+            save = r["save"]
+            assert save["bytes_written"] == save["partition_bytes"], (case["name"], save)
+            assert r["save_collectives"]["calls"] == {}, (case["name"], r["save_collectives"])
+            assert save["largest_staging_bytes"] <= STAGING, (case["name"], save)
+            assert r["save_largest_allocation_bytes"] <= STAGING, (case["name"], r["save_largest_allocation_bytes"])
+        # every parameter byte written once, by the rank holding it; persistent buffers once, by the writing rank
+        assert sum(shares) == total, (case["name"], shares, total)
+        # ZeRO-3 partitions are even, up to one element of padding per tensor per rank
+        slack = 4 * world_size * len(open_checkpoint(files).entries) + _buffer_bytes(files, case)
+        assert max(shares) - min(shares) <= slack, (
+            case["name"], shares)
+
+
+def _buffer_bytes(files, case) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_zero3_loader.checkpoint import open_checkpoint
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(os.path.dirname(files[0])))
+    buffers = {n for n, _ in model.named_buffers()}
+    entries = open_checkpoint(files).entries
+    return sum(e.nbytes for k, e in entries.items() if k in buffers)
+
+
+def test_a_failing_or_dead_rank_leaves_no_checkpoint_and_every_rank_raises_the_same_error(workdir):
+    parent = os.path.join(workdir, "saved_faults")
+    os.makedirs(parent, exist_ok=True)
+    cases = []
+    for kind in ("raise_in_write", "die_in_write"):
+        case = save_case(workdir, 2, "qwen3_moe", None, "bfloat16", "20KB")
+        case["save"] = {"dir": os.path.join(parent, kind), "kwargs": {"max_shard_size": "20KB",
+                                                                     "liveness_timeout_s": 5}}
+        case.update(name=kind, out=os.path.join(workdir, f"save_fault_{kind}.pt"),
+                    save_inject={"rank": 1, "kind": kind, "after": 3})
+        cases.append(case)
+    raised, died = run_ranks(2, cases, workdir, timeout=300)
+    messages = {r["save_error"]["message"] for r in raised}
+    assert len(messages) == 1 and "No space left on device (injected)" in messages.pop(), raised
+    assert all("OSError" in r["save_error"]["mro"] for r in raised), [r["save_error"] for r in raised]
+    survivor = died[0]["save_error"]
+    assert "DistributedLoadError" in survivor["mro"] and "rank 1" in survivor["message"], survivor
+    assert died[1] is None or "save" not in died[1]
+    for kind in ("raise_in_write", "die_in_write"):
+        assert not os.path.exists(os.path.join(parent, kind))
+    assert os.listdir(parent) == [], os.listdir(parent)  # no temporary folder left behind
+
+
+def test_saving_into_a_folder_with_other_files_replaces_the_checkpoint_and_keeps_the_rest(workdir):
+    case = save_case(workdir, 2, "llama_untied", None, "bfloat16", "20KB")
+    folder = case["save"]["dir"] = os.path.join(workdir, "saved_existing")
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(folder + ".reference", ignore_errors=True)
+    os.makedirs(os.path.join(folder, "checkpoint-10"))
+    stale = ["model-00001-of-00009.safetensors", "model-00009-of-00009.safetensors"]
+    for name in [*stale, "tokenizer.json", "model.safetensors.index.json", "checkpoint-10/optimizer.pt"]:
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("old")
+    case["out"] = os.path.join(workdir, "save_existing.pt")
+    dump = run_torchrun(2, [case], workdir)[0]
+    assert "save_error" not in dump["rank0"], dump["rank0"].get("save_error")
+    kept = {"tokenizer.json", "checkpoint-10"}
+    assert kept <= set(os.listdir(folder)) and not set(stale) & set(os.listdir(folder))
+    reference = folder + ".reference"
+    for name in kept:
+        shutil.move(os.path.join(folder, name), os.path.join(workdir, "kept_" + name))
+    same_files(folder, reference)
+
+
+def test_ranks_that_cannot_see_the_folder_stream_their_partitions_to_a_rank_that_can(workdir):
+    """Two nodes of two ranks. `write_mode='stream'`: one writer per node, the other rank of each node streams to it.
+    `auto` with node 1's ranks unable to see the folder (another node's filesystem): they stream to node 0's ranks.
+    Both folders equal transformers' save_pretrained of the gathered model."""
+    cases = []
+    for mode, inject in (("stream", None), ("auto", {"rank": [2, 3], "kind": "cannot_see_folder"})):
+        case = save_case(workdir, 4, "qwen3_moe", None, "bfloat16", "20KB")
+        case["save"]["dir"] = os.path.join(workdir, "saved", f"streamed_{mode}")
+        case["save"]["kwargs"].update(write_mode=mode, stream_chunk_bytes=4096)
+        case.update(name=mode, out=os.path.join(workdir, f"save_stream_{mode}.pt"), train_steps=1)
+        if inject:
+            case["save_inject"] = inject
+        shutil.rmtree(case["save"]["dir"], ignore_errors=True)
+        shutil.rmtree(case["save"]["dir"] + ".reference", ignore_errors=True)
+        cases.append(case)
+    for case, dump in zip(cases, run_nodes(2, 2, cases, workdir)):
+        ranks = dump["ranks"]
+        for r in ranks:
+            assert "save_error" not in r, (case["name"], r.get("save_error"))
+        same_files(case["save"]["dir"], case["save"]["dir"] + ".reference")
+        streams = [r["save"]["stream"] for r in ranks]
+        senders = [r for r, s in zip(ranks, streams) if "streams_to" in s]
+        assert {r["rank"] for r in senders} == ({1, 3} if case["name"] == "stream" else {2, 3}), streams
+        for r in senders:  # a sender writes nothing itself and sends exactly its partitions, in bounded chunks
+            stream = r["save"]["stream"]
+            assert r["save"]["bytes_written"] == 0 and stream["bytes_sent"] == r["save"]["partition_bytes"]
+            assert stream["largest_stream_buffer_bytes"] <= 4096
+            sent = sum(v for k, v in r["save_collectives"]["bytes"].items() if k in ("send", "isend"))
+            assert sent <= 2 * stream["bytes_sent"] + 64 * r["save_collectives"]["calls"].get("isend", 0)
+        received = sum(s["bytes_received"] for s in streams)
+        assert received == sum(r["save"]["partition_bytes"] for r in senders)
+        assert sum(r["save"]["bytes_written"] for r in ranks) == sum(r["save"]["partition_bytes"] for r in ranks)
