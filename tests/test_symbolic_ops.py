@@ -559,19 +559,12 @@ class CustomScaleOp(cml.ConversionOps):
 
 
 def _unsupported_cases():
-    ernie = cml.WeightConverter(
-        source_patterns=["experts.*.gate_proj.weight", "experts.*.up_proj.weight"],
-        target_patterns=["text_moe.experts.gate_up_proj", "vision_moe.experts.gate_up_proj"],
-        operations=[cml.ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)],
-    )
     custom = cml.WeightConverter("w.fused", ["w.a", "w.b"], operations=[cml.Chunk(dim=0), CustomScaleOp()])
     split_modulelist = cml.WeightConverter("mlp.experts.down_proj", "mlp.experts.*.down_proj.weight",
                                            operations=[cml.SplitModulelist(dim=0)])
     linear_to_conv = cml.WeightConverter("linear_proj.weight", "proj.weight",
                                          operations=[cml.LinearToConv3d(in_channels=3, kernel_size=(2, 3, 3))])
     return [
-        ("ErnieFuseAndSplitTextVisionExperts", "ernie4_5_vl_moe", ernie,
-         {"experts.*.gate_proj.weight": [(5, 7)] * 4, "experts.*.up_proj.weight": [(5, 7)] * 4}),
         ("CustomScaleOp", "my_custom_model", custom, {"w.fused": [(6, 5)]}),
         ("SplitModulelist", "some_model", split_modulelist, {"mlp.experts.down_proj": [(3, 5, 7)]}),
         ("LinearToConv3d", "qwen2_vl", linear_to_conv, {"linear_proj.weight": [(5, 54)]}),
