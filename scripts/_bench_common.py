@@ -1,4 +1,4 @@
-"""Helpers shared by bench_load.py and demo.py: make checkpoints, warm the page cache, launch torchrun, tables."""
+"""Helpers shared by bench_load.py, bench_save.py and demo.py: make checkpoints, warm the page cache, launch torchrun, tables."""
 
 from __future__ import annotations
 
@@ -44,11 +44,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, worker_args: list[str], log: str, timeout: float) -> tuple[float, int]:
-    """`torchrun --nproc_per_node world scripts/_bench_worker.py ...`; returns (wall seconds, return code)."""
+def launch(world: int, worker_args: list[str], log: str, timeout: float,
+           worker: str = "_bench_worker.py") -> tuple[float, int]:
+    """`torchrun --nproc_per_node world scripts/<worker> ...`; returns (wall seconds, return code)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           os.path.join(SCRIPTS, "_bench_worker.py"), *worker_args]
+           os.path.join(SCRIPTS, worker), *worker_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks; explicit, and silences its warning
     start = time.perf_counter()

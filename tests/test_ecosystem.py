@@ -1,6 +1,6 @@
 """The ecosystem as users call it: TRL's SFTTrainer(model="<path>") under a real `accelerate launch` (ZeRO-3, bf16)
-trains with `import hf_zero3_loader.auto` exactly as without it; MoE blocks whose experts get no tokens on a rank do
-not hang ZeRO-3."""
+trains with `import hf_zero3_loader.auto` exactly as without it, and its `save_model` (and accelerate's) write the
+same files without a gather; MoE blocks whose experts get no tokens on a rank do not hang ZeRO-3."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def test_trl_sft_trainer_with_a_model_path_trains_the_same_with_the_import(workd
     config = os.path.join(workdir, "ds_trl.json")
     with open(config, "w") as f:  # what an accelerate user's file says: the Trainer fills in the "auto"s
         json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, f)
+                   "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+                   "bf16": {"enabled": "auto"}}, f)
     runs = {}
     for variant in ("with-loader", "without"):
         out = os.path.join(workdir, f"trl_{variant}.json")
@@ -30,6 +31,17 @@ def test_trl_sft_trainer_with_a_model_path_trains_the_same_with_the_import(workd
     assert len(ours["losses"]) == 3
     assert ours["losses"] == upstream["losses"]
     assert ours["param_dtypes"] == upstream["param_dtypes"] == ["torch.bfloat16"]  # TRL asked float32: engine wins
+    # saving: Trainer.save_model and Accelerator.save_model write, without a gather, the files the gathered path
+    # (stage3_gather_16bit_weights_on_model_save) writes
+    for how in ("trainer", "accelerate"):
+        mine, theirs = (os.path.join(workdir, f"trl_saved_{v}", how) for v in ("with-loader", "without"))
+        names = sorted(os.listdir(theirs))
+        assert sorted(os.listdir(mine)) == names, (how, sorted(os.listdir(mine)), names)
+        for name in names:
+            if name == "training_args.bin":  # pickled arguments: same fields, not the same bytes
+                continue
+            with open(os.path.join(mine, name), "rb") as a, open(os.path.join(theirs, name), "rb") as b:
+                assert a.read() == b.read(), f"{how}: {name} differs"
 
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe")

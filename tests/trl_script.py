@@ -1,5 +1,6 @@
 """TRL's most common form, as a user writes it, under `accelerate launch --use_deepspeed` (ZeRO-3, bf16):
-SFTTrainer(model="<path>"). Run with and without `import hf_zero3_loader.auto` (argv[3] == "with-loader")."""
+SFTTrainer(model="<path>"), then `trainer.save_model` and `accelerator.save_model`. Run with and without
+`import hf_zero3_loader.auto` (argv[3] == "with-loader")."""
 
 import json
 import os
@@ -29,5 +30,9 @@ if trainer.accelerator.is_main_process:
     with open(out, "w") as f:
         json.dump({"losses": losses, "report": report.summary() if report else None,
                    "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()})}, f)
+# saving, as users call it: the Trainer's save_model (tokenizer and training arguments with it) and accelerate's
+saved = os.path.dirname(out) + f"/trl_saved_{sys.argv[3]}"
+trainer.save_model(saved + "/trainer")
+trainer.accelerator.save_model(trainer.model_wrapped, saved + "/accelerate", max_shard_size="20KB")
 trainer.accelerator.wait_for_everyone()
 os._exit(0)
