@@ -32,6 +32,7 @@ from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, m
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
                            resolve_checkpoint, suspicious_missing_keys)
 from .reader import FileReader, ReadStats, run_reads
+from .staging import DEFAULT_STAGING_BYTES, check_budget, run_staged_reads
 from .streaming import (DEFAULT_CHUNK_BYTES, MODES, Peer, Streamer, checkpoint_from_bundle, collect_small_files,
                         decide, local_checkpoint, node_id, write_stub_folder)
 from .zero3 import Zero3Partitioner
@@ -53,6 +54,7 @@ class LoadReport:
     phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
     expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
     stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
+    staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
     expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
 
     @contextmanager
@@ -74,6 +76,8 @@ class LoadReport:
             out["expert_parallel"] = self.expert_parallel
         if self.stream is not None:
             out["stream"] = self.stream
+        if self.staging is not None:
+            out["staging"] = self.staging
         return out
 
 
@@ -114,7 +118,8 @@ class _Zero3Load:
 
     def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
                  allow_suspicious_missing: bool = False, keep_in_fp32: bool = False, expert_parallel=None,
-                 stream=None):
+                 stream=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+        self.staging_bytes = staging_bytes
         self.allow_suspicious_missing = allow_suspicious_missing
         self.stream = stream  # StreamContext when some ranks receive their bytes from another rank
         self.expert_parallel = expert_parallel  # (ExpertParallelRequest, ExpertParallelGroups) or None
@@ -296,23 +301,22 @@ class _Zero3Load:
     def _read(self, plan: LoadPlan, checkpoint, destinations) -> None:
         from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
-        staged, jobs = [], []
+        # host partitions are read in place; accelerator ones through the bounded staging buffer (`staging.py`)
+        in_place, staged = [], []
+        force_staging = os.environ.get("HF_ZERO3_LOADER_FORCE_STAGING") == "1"  # tests the staging path on CPU
         for tensor_plan, dst in destinations:
-            # reads land in CPU memory; an accelerator partition is filled from a CPU copy of itself
-            filled = tensor_plan.end - tensor_plan.start  # the padding after it stays zero
-            cpu_dst = dst if dst.device.type == "cpu" else torch.empty(filled, dtype=dst.dtype)
-            if cpu_dst is not dst:
-                staged.append((cpu_dst, dst[:filled]))
-            jobs.extend((item, checkpoint.entry(item.key), cpu_dst) for item in tensor_plan.reads)
+            jobs = staged if force_staging or dst.device.type != "cpu" else in_place
+            jobs.extend((item, checkpoint.entry(item.key), dst) for item in tensor_plan.reads)
         reader = FileReader(self.report.read, checkpoint.identities)
         try:
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
                       disable=self.report.rank != 0) as bar:
-                run_reads(jobs, reader, threads=self.read_threads, progress=bar.update)
+                run_reads(in_place, reader, threads=self.read_threads, progress=bar.update)
+                if staged:
+                    self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
+                                                           progress=bar.update).summary()
         finally:
             reader.close()
-        for cpu_dst, dst in staged:
-            dst.copy_(cpu_dst)
 
     def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype) -> None:
         """DeepSpeed ZeRO-3 (0.19.8) flattens all trainable params into one buffer of one dtype (stage3
@@ -395,6 +399,7 @@ def from_pretrained(
     load_from: str = "auto",
     stream_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     strict_dtype: bool = False,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -431,6 +436,9 @@ def from_pretrained(
             a reader holds at most two such buffers.
         strict_dtype: refuse a `dtype` that differs from the DeepSpeed config's (by default the engine's dtype wins,
             with a warning, as in transformers' own ZeRO-3 path).
+        staging_bytes: partitions on an accelerator are filled through one host buffer of this many bytes (default
+            256 MiB, pinned on CUDA): reads into it overlap the copies to the device, and host memory grows by this
+            much rather than by the rank's share of the checkpoint. Host partitions are read in place.
     """
     start = time.perf_counter()
     try:
@@ -452,7 +460,7 @@ def from_pretrained(
                             init_context=init_context, ep_size=ep_size, read_threads=read_threads,
                             budget_bytes=missing_init_budget_bytes, allow_suspicious=allow_suspicious_missing_keys,
                             keep_in_fp32=keep_in_fp32, load_from=load_from, chunk_bytes=stream_chunk_bytes,
-                            strict_dtype=strict_dtype)
+                            strict_dtype=strict_dtype, staging_bytes=staging_bytes)
     finally:
         agreement.close()
     report = (model[0] if isinstance(model, tuple) else model).hf_zero3_load_report
@@ -549,7 +557,7 @@ def _find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
 
 
 def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init_context, ep_size, read_threads,
-                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes, strict_dtype):
+                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes, strict_dtype, staging_bytes):
     import torch.distributed as dist
 
     error, ep_request = None, None
@@ -569,6 +577,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             raise ConfigError(f"load_from must be one of {MODES}, got {load_from!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
+        check_budget(staging_bytes)
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
         if (ep_request is not None and init_context == "zero.Init"
                 and not (setup.config.get("expert_parallel") or {}).get("enabled")):
@@ -589,7 +598,8 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
     try:
         return _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel,
                              stream, original_path, init_context=init_context, read_threads=read_threads,
-                             budget_bytes=budget_bytes, allow_suspicious=allow_suspicious, keep_in_fp32=keep_in_fp32)
+                             budget_bytes=budget_bytes, allow_suspicious=allow_suspicious, keep_in_fp32=keep_in_fp32,
+                             staging_bytes=staging_bytes)
     finally:
         if path != original_path and os.path.isdir(str(path)):  # the stub folder of a rank without the files
             import shutil
@@ -598,7 +608,8 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
 
 
 def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel, stream,
-                  original_path, *, init_context, read_threads, budget_bytes, allow_suspicious, keep_in_fp32):
+                  original_path, *, init_context, read_threads, budget_bytes, allow_suspicious, keep_in_fp32,
+                  staging_bytes=DEFAULT_STAGING_BYTES):
     import torch.distributed as dist
 
     reason = f"ZeRO-3 ({setup.found_via})"
@@ -611,7 +622,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
     hooks = _Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
-                       expert_parallel, stream)
+                       expert_parallel, stream, staging_bytes)
     error, model = None, None
     try:
         with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):

@@ -207,12 +207,18 @@ def _copy_from_tensor(src: torch.Tensor, item: ReadItem, out: torch.Tensor) -> N
     view.copy_(box.t() if item.transposed else box)
 
 
+def file_order(item: ReadItem, entry) -> tuple:
+    """Sort key: by file, then by position in it (sequential reads for disks and network filesystems)."""
+    return item.file, getattr(entry, "data_start", 0) + item.src_offset * item.src_dtype.itemsize
+
+
 def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4,
               progress=None) -> None:
     """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL).
     `progress(nbytes)` is called as pieces complete. The first failure, or an interrupt, cancels every queued
     read at once; reads already running finish their piece (at most STAGING_BYTES each)."""
     pieces = [(p, entry, dst) for item, entry, dst in jobs for p in split_for_threads(item)]
+    pieces.sort(key=lambda job: file_order(job[0], job[1]))
 
     def one(item, entry, dst):
         execute_read(reader, item, entry, dst)

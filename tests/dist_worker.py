@@ -219,6 +219,16 @@ def run_case(case: dict) -> dict:
         return hf_zero3_loader.from_pretrained(model_class, case["path"], ds_config=ds_config, **kwargs)
 
     keep_alive: list = []
+    if case.get("measure_staging"):  # the largest allocation while filling partitions through the staging buffer
+        from hf_zero3_loader import loader as loader_module
+
+        staged_largest, real_staged = LargestAllocation(), loader_module.run_staged_reads
+
+        def run_staged_reads(*args, **kwargs):
+            with staged_largest:  # read_threads=1: every staged read runs in this thread
+                return real_staged(*args, **kwargs)
+
+        loader_module.run_staged_reads = run_staged_reads
     try:
         with counter, largest:
             model = load()
@@ -239,6 +249,9 @@ def run_case(case: dict) -> dict:
     result["collective_bytes"] = counter.bytes
     result["largest_allocation_bytes"] = largest.largest_bytes
     result["largest_allocation_numel"] = largest.largest_numel
+    if case.get("measure_staging"):
+        result["staging_largest_allocation_bytes"] = staged_largest.largest_bytes
+        loader_module.run_staged_reads = real_staged
     result["training"] = model.training
     result["state"] = gather_state(model)
     result["config"] = model.config.to_dict()

@@ -58,3 +58,25 @@ def test_gpu_expert_parallel_trains_like_engine_side_autoep(workdir):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
     assert ours["rank0"]["report"]["init_context"] == "ep-meta"
     assert ours["rank0"]["losses"] == engine["rank0"]["losses"]
+
+
+def test_gpu_staging_is_bounded_by_the_budget_and_bit_exact(workdir):
+    """Partitions on the GPU are filled through one pinned host buffer of `staging_bytes`: no host allocation while
+    filling them exceeds it, however large the partitions (the whole checkpoint here, at world size 1)."""
+    budget = 64 << 10
+    path = make_checkpoint(os.path.join(workdir, "gpu_staging_qwen3_moe"), "qwen3_moe", sharded=True)
+    cases = [{"name": f"staging/{dtype}", "path": path, "dtype": dtype, "measure_staging": True,
+              "kwargs": {"staging_bytes": budget, "read_threads": 1},
+              "out": os.path.join(workdir, f"gpu_staging_{dtype}.pt")} for dtype in ("bfloat16", "float32")]
+    for case, dump in zip(cases, run_torchrun(1, cases, workdir, env=NCCL)):
+        got = dump["rank0"]
+        assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
+        staging = got["report"]["staging"]
+        assert staging["pinned"] and staging["buffer_bytes"] <= budget
+        assert staging["bytes_copied"] > budget  # more than the budget went through it
+        assert 0 < got["staging_largest_allocation_bytes"] <= budget, got["staging_largest_allocation_bytes"]
+        ref = _plain(case["path"], getattr(torch, case["dtype"]))
+        assert set(got["state"]) == set(ref), case["name"]
+        for name, want in ref.items():
+            actual = got["state"][name]
+            assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name}"
