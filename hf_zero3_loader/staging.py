@@ -107,6 +107,44 @@ class _Slots:
         self.free.put((index, copy_done))
 
 
+def pack_batches(pieces: list[tuple], slot_bytes: int) -> list[list[tuple]]:
+    """Consecutive pieces (in file order) packed into slot-sized batches: (item, entry, dst, byte offset in the slot).
+    One batch is read by one thread and copied to the device with one copy per run of adjacent destination bytes,
+    so a checkpoint of many small tensors costs few device copies and slot hand-offs."""
+    batches, batch, used = [], [], 0
+    for item, entry, dst in pieces:
+        nbytes = item.numel * dst.element_size()
+        previous = batch[-1] if batch else None
+        follows = (previous is not None and previous[2] is dst
+                   and previous[0].dst_offset + previous[0].numel == item.dst_offset)
+        offset = used if follows else -(-used // _ALIGN) * _ALIGN  # a new destination run starts aligned
+        if batch and offset + nbytes > slot_bytes:
+            batches.append(batch)
+            batch, offset = [], 0
+        batch.append((item, entry, dst, offset))
+        used = offset + nbytes
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _copy_runs(batch: list[tuple], slot: torch.Tensor, non_blocking: bool) -> None:
+    """Copy a filled slot to its destinations: one copy per run of pieces adjacent in the slot and the destination."""
+    i = 0
+    while i < len(batch):
+        item, _, dst, offset = batch[i]
+        start, numel, j = item.dst_offset, item.numel, i + 1
+        while j < len(batch):
+            nxt = batch[j]
+            if nxt[2] is not dst or nxt[0].dst_offset != start + numel or nxt[3] != offset + numel * dst.element_size():
+                break
+            numel += nxt[0].numel
+            j += 1
+        staged = slot[offset : offset + numel * dst.element_size()].view(dst.dtype)
+        dst[start : start + numel].copy_(staged, non_blocking=non_blocking)
+        i = j
+
+
 def run_staged_reads(jobs: list[tuple], reader: FileReader, staging_bytes: int = DEFAULT_STAGING_BYTES,
                      threads: int = 4, progress=None) -> StagingStats:
     """Execute (item, checkpoint entry, flat destination) jobs through the staging buffer; destinations may be on
@@ -127,7 +165,8 @@ def run_staged_reads(jobs: list[tuple], reader: FileReader, staging_bytes: int =
         widest = max(item.src_dtype.itemsize, dst.element_size(), 4 if item.stored_bytes_per_element else 0)
         pieces += [(p, entry, dst) for p in split_item(item, slot_bytes // widest)]
     pieces.sort(key=lambda job: file_order(job[0], job[1]))
-    if not pieces:
+    batches = pack_batches(pieces, slot_bytes)
+    if not batches:
         return stats
     buffer = torch.empty(count * slot_bytes, dtype=torch.uint8, pin_memory=cuda)
     stats.buffer_bytes = buffer.numel()
@@ -136,28 +175,29 @@ def run_staged_reads(jobs: list[tuple], reader: FileReader, staging_bytes: int =
     if cuda:  # the partitions were allocated (and their padding zeroed) on the default stream
         copy_stream.wait_stream(torch.cuda.current_stream(device))
 
-    def one(item: ReadItem, entry, dst: torch.Tensor) -> None:
+    def one(batch: list[tuple]) -> None:
         index, slot = slots.take()
         copy_done = None
         try:
-            staged = slot[: item.numel * dst.element_size()].view(dst.dtype)
-            execute_read(reader, replace(item, dst_offset=0), entry, staged, staging_bytes=slot_bytes)
-            target = dst[item.dst_offset : item.dst_offset + item.numel]
+            for item, entry, dst, offset in batch:
+                staged = slot[offset : offset + item.numel * dst.element_size()].view(dst.dtype)
+                execute_read(reader, replace(item, dst_offset=0), entry, staged, staging_bytes=slot_bytes)
             if cuda:
                 with torch.cuda.device(device), torch.cuda.stream(copy_stream):
-                    target.copy_(staged, non_blocking=True)
+                    _copy_runs(batch, slot, non_blocking=True)
                     copy_done = torch.cuda.Event()
                     copy_done.record(copy_stream)
             else:
-                target.copy_(staged)
+                _copy_runs(batch, slot, non_blocking=False)
         finally:
             slots.give(index, copy_done)
-        stats.add(item.numel * dst.element_size())
-        if progress is not None:
-            progress(item.stored_bytes)
+        for item, _, dst, _ in batch:
+            stats.add(item.numel * dst.element_size())
+            if progress is not None:
+                progress(item.stored_bytes)
 
     try:
-        run_in_threads(pieces, one, threads)
+        run_in_threads([(batch,) for batch in batches], one, threads)
     finally:
         if cuda:  # nothing may read the partitions, or reuse the pinned buffer, before the last copy lands
             copy_stream.synchronize()

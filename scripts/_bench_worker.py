@@ -297,6 +297,7 @@ def main() -> None:
     ap.add_argument("--compare-with")
     ap.add_argument("--floor-threads", type=int, default=4)
     ap.add_argument("--ep-size", type=int, default=0)
+    ap.add_argument("--cold", action="store_true", help="floor: evict the files before each of its timed passes")
     ap.add_argument("--dequantize", action="store_true",
                     help="a quantized checkpoint: both variants pass FineGrainedFP8Config(dequantize=True)")
     args = ap.parse_args()
@@ -344,6 +345,14 @@ def main() -> None:
         if args.variant == "floor":
             timings = {}
             for threads in sorted({1, args.floor_threads}):
+                if args.cold:  # each pass reads cold: rank 0 evicts between barriers
+                    dist.barrier()
+                    if rank == 0:
+                        for path in sorted({f for f, _, _ in spans}):
+                            fd = os.open(path, os.O_RDONLY)
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                            os.close(fd)
+                    dist.barrier()
                 t0 = time.perf_counter()
                 buf = read_spans(spans, threads)
                 timings[threads] = time.perf_counter() - t0
