@@ -20,7 +20,8 @@ from .checkpoint import FileIdentity, TensorEntry
 from .errors import CheckpointError
 from .planner.plan import ReadItem
 
-STAGING_BYTES = 64 << 20  # largest staging buffer for casts and strided boxes
+STAGING_BYTES = 64 << 20  # largest staging buffer for casts and strided boxes; also the largest coalesced read
+MAX_IOVECS = 512  # buffers per coalesced preadv (Linux allows 1024)
 
 
 @dataclass
@@ -96,6 +97,28 @@ class FileReader:
                 if n <= 0:
                     raise CheckpointError(f"{path}: truncated file (wanted {total} bytes at offset {offset})")
                 done += n
+        finally:
+            self._release(path)
+        self.stats.add(total)
+
+    def read_spans(self, path: str, offset: int, outs: list[torch.Tensor]) -> None:
+        """Fill the CPU tensors `outs`, in order, with the consecutive bytes at `offset` of `path`: one preadv for
+        reads that are adjacent on disk but land in different places (coalesced reads)."""
+        bufs = [_as_bytes(out) for out in outs]
+        total = sum(len(b) for b in bufs)
+        done, first = 0, 0  # bytes read so far; index of the first buffer not yet full
+        fd = self._acquire(path)
+        try:
+            while done < total:
+                n = os.preadv(fd, bufs[first:first + MAX_IOVECS], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{path}: truncated file (wanted {total} bytes at offset {offset})")
+                done += n
+                while n and n >= len(bufs[first]):  # drop the buffers filled, trim a partly filled one
+                    n -= len(bufs[first])
+                    first += 1
+                if n:
+                    bufs[first] = bufs[first][n:]
         finally:
             self._release(path)
         self.stats.add(total)
@@ -212,20 +235,57 @@ def file_order(item: ReadItem, entry) -> tuple:
     return item.file, getattr(entry, "data_start", 0) + item.src_offset * item.src_dtype.itemsize
 
 
+def _span_offset(item: ReadItem, entry, out: torch.Tensor) -> int | None:
+    """The file offset of a piece that is one run of stored bytes landing unchanged in `out`; None otherwise."""
+    if (not isinstance(entry, TensorEntry) or entry.tensor is not None or item.transposed
+            or (item.rows != 1 and item.row_stride != item.cols) or out.dtype != item.src_dtype):
+        return None
+    return entry.data_start + item.src_offset * item.src_dtype.itemsize
+
+
+def coalesce(pieces: list[tuple], out_of, max_bytes: int = STAGING_BYTES) -> list[tuple[int | None, list[tuple]]]:
+    """Group pieces (in file order) into reads: consecutive plain spans that follow each other in one file become
+    one read of at most `max_bytes` (one preadv into their separate destinations `out_of(piece)`); anything else
+    (casts, boxes, computed tensors) stays a read of its own. Returns (file offset or None, pieces) per read."""
+    reads: list[tuple[int | None, list[tuple]]] = []
+    end, size = None, 0
+    for piece in pieces:
+        item = piece[0]
+        offset = _span_offset(item, piece[1], out_of(piece))
+        nbytes = item.numel * item.src_dtype.itemsize
+        last = reads[-1] if reads else None
+        if (offset is not None and last is not None and last[0] is not None and offset == end
+                and last[1][0][0].file == item.file and size + nbytes <= max_bytes and len(last[1]) < MAX_IOVECS):
+            last[1].append(piece)
+            size += nbytes
+        else:
+            reads.append((offset, [piece]))
+            size = nbytes
+        end = None if offset is None else offset + nbytes
+    return reads
+
+
 def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4,
               progress=None) -> None:
-    """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL).
-    `progress(nbytes)` is called as pieces complete. The first failure, or an interrupt, cancels every queued
-    read at once; reads already running finish their piece (at most STAGING_BYTES each)."""
+    """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL), in file
+    order, reads adjacent on disk coalesced. `progress(nbytes)` is called as reads complete. The first failure,
+    or an interrupt, cancels every queued read at once; reads already running finish (at most STAGING_BYTES each)."""
     pieces = [(p, entry, dst) for item, entry, dst in jobs for p in split_for_threads(item)]
     pieces.sort(key=lambda job: file_order(job[0], job[1]))
 
-    def one(item, entry, dst):
-        execute_read(reader, item, entry, dst)
-        if progress is not None:
-            progress(item.stored_bytes)
+    def out_of(piece):
+        item, _, dst = piece
+        return dst[item.dst_offset : item.dst_offset + item.numel]
 
-    run_in_threads(pieces, one, threads)
+    def one(offset, group):
+        if len(group) == 1:
+            execute_read(reader, *group[0])
+        else:
+            reader.read_spans(group[0][0].file, offset, [out_of(p) for p in group])
+        if progress is not None:
+            progress(sum(p[0].stored_bytes for p in group))
+
+    run_in_threads(coalesce(pieces, out_of), one, threads)
 
 
 def run_in_threads(tasks: list[tuple], one, threads: int) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from .errors import ConfigError
 from .planner.plan import ReadItem
-from .reader import FileReader, execute_read, file_order, run_in_threads
+from .reader import FileReader, coalesce, execute_read, file_order, run_in_threads
 
 DEFAULT_STAGING_BYTES = 256 << 20
 MIN_STAGING_BYTES = 4096
@@ -179,9 +179,16 @@ def run_staged_reads(jobs: list[tuple], reader: FileReader, staging_bytes: int =
         index, slot = slots.take()
         copy_done = None
         try:
-            for item, entry, dst, offset in batch:
-                staged = slot[offset : offset + item.numel * dst.element_size()].view(dst.dtype)
-                execute_read(reader, replace(item, dst_offset=0), entry, staged, staging_bytes=slot_bytes)
+            def staged(piece):
+                item, _, dst, offset = piece
+                return slot[offset : offset + item.numel * dst.element_size()].view(dst.dtype)
+
+            for file_offset, group in coalesce(batch, staged):  # pieces adjacent on disk: one preadv
+                if len(group) > 1:
+                    reader.read_spans(group[0][0].file, file_offset, [staged(p) for p in group])
+                    continue
+                item, entry, _, _ = group[0]
+                execute_read(reader, replace(item, dst_offset=0), entry, staged(group[0]), staging_bytes=slot_bytes)
             if cuda:
                 with torch.cuda.device(device), torch.cuda.stream(copy_stream):
                     _copy_runs(batch, slot, non_blocking=True)

@@ -6,7 +6,8 @@ accelerate use (`stage3_gather_16bit_weights_on_model_save`), on the ~1 GB Qwen3
 For each world size W, separate `torchrun --nproc_per_node W` launches per variant (interleaved, --repeats times; the
 median launch by its slowest rank is reported), each loading the checkpoint into a ZeRO-3 engine (bf16) and saving it
 (see scripts/_bench_save_worker.py). Per rank: save seconds, peak RSS growth, bytes through collectives, bytes
-written. Then the two saved folders are compared file by file: they must be byte-identical.
+written. Then the two saved folders are compared file by file: they must be byte-identical (an index's
+`metadata.total_parameters` aside: upstream writes 0 there, see `digest`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ VARIANTS = ("ours", "upstream")
 
 
 def digest(folder: str) -> dict:
+    """sha256 of every file; an index's `metadata.total_parameters` is left out and reported on its own: transformers'
+    gathered ZeRO-3 save writes 0 there (it counts the parameters' local numel, which ZeRO-3 empties), where a plain
+    save_pretrained of the same model, and ours, write the real count."""
     out = {}
     for name in sorted(os.listdir(folder)):
+        if name.endswith(".index.json"):
+            with open(os.path.join(folder, name)) as f:
+                index = json.load(f)
+            out["total_parameters in " + name] = index.get("metadata", {}).pop("total_parameters", None)
+            out[name] = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
+            continue
         h = hashlib.sha256()
         with open(os.path.join(folder, name), "rb") as f:
             while chunk := f.read(MiB * 16):
@@ -67,8 +77,12 @@ def run_world(world: int, ckpt: str, workdir: str, repeats: int, timeout: float,
             order = sorted(rs, key=lambda ranks: max(r["seconds"] for r in ranks))
             median[variant] = order[len(order) // 2]
     return {"world_size": world, "ep": ep, "runs": runs, "median": median,
-            "identical_files": bool(digests) and len(set(json.dumps(v) for v in digests.values())) == 1
-            and len(digests) == len(VARIANTS), "files": digests.get("ours")}
+            "identical_files": len(digests) == len(VARIANTS) and len({json.dumps(_files(v)) for v in digests.values()}) == 1,
+            "digests": digests}
+
+
+def _files(digests: dict) -> dict:
+    return {k: v for k, v in digests.items() if not k.startswith("total_parameters")}
 
 
 def summarize(run: dict) -> str:
@@ -91,6 +105,14 @@ def summarize(run: dict) -> str:
                   f"- bytes through collectives (worst rank): ours {c['ours'] / MiB:.1f} MiB vs upstream "
                   f"{c['upstream'] / MiB:.1f} MiB",
                   f"- saved files byte-identical: {'PASS' if run['identical_files'] else 'FAIL'}"]
+        counts = {v: [n for k, n in sorted(run["digests"].get(v, {}).items()) if k.startswith("total_parameters")]
+                  for v in VARIANTS}
+        if counts["ours"] != counts["upstream"]:
+            lines.append(f"- index metadata total_parameters: ours {counts['ours']} vs upstream {counts['upstream']} "
+                         "(upstream counts ZeRO-3's emptied local tensors; a plain save_pretrained writes ours)")
+        if not run["identical_files"]:
+            ours, upstream = run["digests"].get("ours", {}), run["digests"].get("upstream", {})
+            lines.append(f"  differing files: {sorted(n for n in set(ours) | set(upstream) if ours.get(n) != upstream.get(n))}")
     return "\n".join(lines)
 
 
