@@ -7,6 +7,9 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
 - `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
   (AutoEP expert parameters: their expert-data-parallel group).
 
+Saving (`saving.py`) reads the same fields back: `is_zero3_param` / `zero3_partition` give a parameter's local
+partition (`ds_tensor`) and its group without a gather; `autoep_layer_class` tells AutoEP layers apart.
+
 Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_expert_parallel` does it:
 - `utils.groups._create_expert_and_data_parallel` makes the EP / expert-data-parallel (EDP) groups (idempotent: a
   group name that exists is kept, so the engine later finds ours);

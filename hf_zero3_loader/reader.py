@@ -104,7 +104,7 @@ class FileReader:
     def read_spans(self, path: str, offset: int, outs: list[torch.Tensor]) -> None:
         """Fill the CPU tensors `outs`, in order, with the consecutive bytes at `offset` of `path`: one preadv for
         reads that are adjacent on disk but land in different places (coalesced reads)."""
-        bufs = [_as_bytes(out) for out in outs]
+        bufs = [_as_bytes(out) for out in outs if out.numel()]
         total = sum(len(b) for b in bufs)
         done, first = 0, 0  # bytes read so far; index of the first buffer not yet full
         fd = self._acquire(path)

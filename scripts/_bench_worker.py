@@ -145,6 +145,8 @@ def load_ours(path: str, config: dict, **kwargs):
 
     import hf_zero3_loader
 
+    if os.environ.get("HF_ZERO3_BENCH_READ_THREADS"):  # bench_load.py --read-threads
+        kwargs.setdefault("read_threads", int(os.environ["HF_ZERO3_BENCH_READ_THREADS"]))
     return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config, **EXTRA_KWARGS, **kwargs)
 
 

@@ -52,7 +52,7 @@ VARIANTS = ("ours", "floor", "upstream", "stream", "plain")  # ours first: the f
 
 
 def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False,
-              stream: bool = False, fp8: bool = False, cold: bool = False, tag: str = "") -> dict:
+              stream: bool = False, fp8: bool = False, cold: bool = False, tag: str = "", upstream: bool = True) -> dict:
     """Every variant `repeats` times, interleaved (ours, floor, upstream, ours, ...); keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
@@ -62,6 +62,8 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
     os.makedirs(d, exist_ok=True)
     # FP8: ours, transformers' ZeRO-3 path (both dequantizing), and the plain single-process load on rank 0
     variants = ("ours", "upstream") if ep else ("ours", "upstream", "plain") if fp8 else VARIANTS[:4] if stream else VARIANTS[:3]
+    if not upstream:
+        variants = tuple(v for v in variants if v != "upstream")
     out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
                  "ep_size": world if ep else None, "cold": cold}
     for rep in range(repeats):
@@ -177,7 +179,7 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
         ok = t_ours <= limit * t_floor
         targets[name] = ok
         lines.append(f"- {name}: {t_ours:.3f}s vs {t_floor:.3f}s = {t_ours / t_floor:.2f}x -> {'PASS' if ok else 'FAIL'}")
-    cmp_ = [r["comparison"] for ranks in run["runs"]["upstream"] for r in ranks if "comparison" in r]
+    cmp_ = [r["comparison"] for ranks in run["runs"].get("upstream", []) for r in ranks if "comparison" in r]
     if cmp_:
         c = cmp_[0]
         if c["equal"]:
@@ -208,7 +210,12 @@ def main() -> None:
                     help="evict the checkpoint from the page cache (posix_fadvise DONTNEED) before every launch")
     ap.add_argument("--stream", action="store_true",
                     help="also run load_from='stream': rank 0 reads and streams every other rank its bytes")
+    ap.add_argument("--no-upstream", action="store_true",
+                    help="skip transformers' path (ours against the floor only, e.g. to compare two versions of ours)")
+    ap.add_argument("--read-threads", type=int, help="read_threads for ours (default: the loader's own default)")
     args = ap.parse_args()
+    if args.read_threads:
+        os.environ["HF_ZERO3_BENCH_READ_THREADS"] = str(args.read_threads)
 
     start = time.perf_counter()
     workdir = os.path.abspath(args.workdir)
@@ -250,9 +257,9 @@ def main() -> None:
         modes = [False]
     for ep in modes:
         for world in worlds:
-            run = run_world(world, ckpt, workdir, verify=world == verify_world, timeout=args.timeout,
+            run = run_world(world, ckpt, workdir, verify=world == verify_world and not args.no_upstream, timeout=args.timeout,
                             repeats=args.repeats, ep=ep, stream=args.stream, fp8=args.fp8_only, cold=args.cold,
-                            tag="" if args.size == "bench" else f"_{args.size}")
+                            tag="" if args.size == "bench" else f"_{args.size}", upstream=not args.no_upstream)
             text, summary = summarize(world, run, ckpt_bytes)
             run.update(summary)
             report["worlds"][f"{world}{'_ep' if ep else ''}"] = run

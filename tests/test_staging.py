@@ -1,6 +1,7 @@
 """The staging path (partitions on an accelerator, filled through one bounded host buffer), forced on CPU ranks:
 bit-exact with the plain load, and the largest host allocation while filling partitions is at most the budget
-however large the partitions are. Plus the pure pieces: cutting ReadItems to fit a slot, file-ordered reads.
+however large the partitions are. Plus the pure pieces: cutting ReadItems to fit a slot, file-ordered reads, reads
+adjacent on disk coalesced into one preadv.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from hf_zero3_loader.planner.plan import ReadItem
-from hf_zero3_loader.reader import _copy_from_tensor
+from hf_zero3_loader.checkpoint import TensorEntry
+from hf_zero3_loader.reader import MAX_IOVECS, FileReader, _copy_from_tensor, coalesce
 from hf_zero3_loader.staging import split_item
 from tests.checkpoints import ep_config, fp8_checkpoint, make_checkpoint
 from tests.conftest import run_torchrun
@@ -106,3 +108,32 @@ def test_forced_staging_is_bit_exact_and_bounded_by_the_budget(staging_checkpoin
             actual = got["state"][key]
             assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {key}"
     assert largest_partition > 2 * BUDGET  # partitions larger than the budget, yet no allocation filling them is
+
+
+def test_a_coalesced_read_fills_every_buffer_in_order(tmp_path):
+    data = os.urandom(1 << 16)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    reader = FileReader()
+    sizes = [0, 3, 0, 4000] + [7] * (2 * MAX_IOVECS)  # empty buffers, and more than one preadv can take
+    outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    reader.read_spans(str(path), 5, outs)
+    assert b"".join(bytes(o.numpy()) for o in outs) == data[5 : 5 + sum(sizes)]
+    assert reader.stats.bytes_read == sum(sizes)
+
+
+def test_only_plain_spans_adjacent_in_one_file_are_coalesced():
+    entry = TensorEntry("k", "a", torch.float32, (64,), data_start=0)
+
+    def piece(file, offset, numel, dtype=torch.float32, out_dtype=torch.float32, transposed=False):
+        item = ReadItem(file, "k", dtype, offset, 1, numel, numel, 0, transposed=transposed)
+        return item, entry, torch.empty(numel, dtype=out_dtype)
+
+    pieces = [piece("a", 0, 4), piece("a", 4, 4), piece("a", 8, 2),  # one read
+              piece("a", 11, 2),  # a gap before it
+              piece("a", 13, 2, out_dtype=torch.bfloat16),  # a cast: its own read
+              piece("a", 15, 2), piece("b", 17, 2)]  # another file
+    reads = coalesce(pieces, lambda p: p[2])
+    assert [(offset, len(group)) for offset, group in reads] == [(0, 3), (44, 1), (None, 1), (60, 1), (68, 1)]
+    capped = coalesce(pieces[:3], lambda p: p[2], max_bytes=32)  # 16 + 16 bytes fit, the third does not
+    assert [len(group) for _, group in capped] == [2, 1]
