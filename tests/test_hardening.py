@@ -135,8 +135,9 @@ def _jobs(pieces: int):
     from hf_zero3_loader.planner.plan import ReadItem
 
     dst = torch.empty(pieces * 4)
-    entry = TensorEntry("t", "f", torch.float32, (pieces * 4,), 0)
-    return [(ReadItem("f", "t", torch.float32, i * 4, 1, 4, 4, i * 4), entry, dst) for i in range(pieces)]
+    entry = TensorEntry("t", "f", torch.float32, (pieces * 8,), 0)
+    # gaps between the pieces on disk, so each stays a read of its own (adjacent ones would be coalesced into one)
+    return [(ReadItem("f", "t", torch.float32, i * 8, 1, 4, 4, i * 4), entry, dst) for i in range(pieces)]
 
 
 def test_a_failed_read_cancels_the_queued_reads():
