@@ -15,7 +15,8 @@ times each step:
 
 It prints per row: those seconds and their sum (what a rank pays), the process's peak RSS (ru_maxrss) and its RSS
 before the steps, rank 0's read items and bytes. Target: the sum under 5 s at every size. With --ep each world size is
-also planned with expert parallelism (ep_size = the largest divisor of W that divides the expert count, at most 64).
+also planned with expert parallelism (ep_size = the largest divisor of W that divides the expert count, at most 64;
+families without a DeepSpeed AutoEP preset, such as GPT-OSS, have no EP row).
 """
 
 from __future__ import annotations
@@ -91,8 +92,13 @@ def sparse_checkpoint(workdir: str, name: str) -> str:
 
 
 def ep_size_for(folder: str, world_size: int) -> int:
+    """0 for a model type DeepSpeed's AutoEP has no preset for (the loader refuses EP for it)."""
+    from hf_zero3_loader.expert_parallel import supported_model_types
+
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
+    if config["model_type"] not in supported_model_types():
+        return 0
     experts = next(config[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in config)
     return max(e for e in range(1, min(world_size, 64) + 1) if world_size % e == 0 and experts % e == 0)
 
@@ -116,7 +122,7 @@ def main() -> None:
     for name in args.models.split(","):
         folder = sparse_checkpoint(os.path.abspath(args.workdir), name)
         for world in worlds:
-            for ep in ([0, ep_size_for(folder, world)] if args.ep else [0]):
+            for ep in sorted({0, ep_size_for(folder, world) if args.ep else 0}):
                 out = subprocess.run([sys.executable, __file__, "--child", folder, str(world), str(ep)],
                                      capture_output=True, text=True)
                 if out.returncode != 0:
