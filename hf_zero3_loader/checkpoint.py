@@ -228,7 +228,7 @@ def _check_entries(path: str, header: dict, data_size: int, file_size: int, data
                 and offsets[0] <= offsets[1]):
             raise CheckpointError(f"{where}: corrupt header entry (data_offsets {_short(offsets)})")
         begin, end = offsets
-        itemsize = torch.empty((), dtype=SAFETENSORS_DTYPES[dtype_name]).element_size()
+        itemsize = SAFETENSORS_DTYPES[dtype_name].itemsize
         if end - begin != math.prod(shape) * itemsize:
             raise CheckpointError(f"{where}: byte range does not match its shape {shape}")
         if end > data_size:

@@ -11,18 +11,14 @@ import json
 import os
 import time
 
+_BENCH = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=9, num_attention_heads=8, num_key_value_heads=2,
+              head_dim=64, intermediate_size=1024, moe_intermediate_size=256, num_experts_per_tok=8)
 SIZES = {
     # ~500M params, ~1 GB bf16; 93% of the bytes are routed experts
-    "bench": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=9, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
-                  num_experts=128, num_experts_per_tok=8, shard="200MB"),
-    # the size-scaling rows of bench_load.py: ~0.27 GB and ~3.8 GB, the same model with 32 or 512 experts
-    "bench_quarter": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=9, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
-                          num_experts=32, num_experts_per_tok=8, shard="200MB"),
-    "bench_4gb": dict(vocab_size=32000, hidden_size=512, num_hidden_layers=9, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,
-                      num_experts=512, num_experts_per_tok=8, shard="400MB"),
+    "bench": dict(_BENCH, num_experts=128, shard="200MB"),
+    # the size-scaling rows of bench_load.py: ~0.29 GB and ~3.5 GB, the same model with 32 or 512 experts
+    "bench_quarter": dict(_BENCH, num_experts=32, shard="200MB"),
+    "bench_4gb": dict(_BENCH, num_experts=512, shard="400MB"),
     # ~130 MB: large enough that a load's memory stands out from the process's own noise (tests/test_cli.py)
     "test": dict(vocab_size=8000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,

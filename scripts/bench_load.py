@@ -9,7 +9,9 @@ reported), so every variant starts in a fresh process:
 
   ours      hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=DS)   (no HfDeepSpeedConfig)
   floor     positional reads (os.preadv into one fresh buffer) of exactly the byte ranges our plan reads on
-            that rank, best of 1 and 4 threads: the cost of merely reading this rank's bytes
+            that rank, one pass into fresh memory with the loader's default thread count: the cost of merely
+            reading this rank's bytes (a second pass would reuse memory the first freed, which this VM serves far
+            faster than fresh memory)
   upstream  HfDeepSpeedConfig(DS) kept alive, then AutoModelForCausalLM.from_pretrained(path, dtype=bf16):
             built under deepspeed.zero.Init, rank 0 reads the whole checkpoint, gathers/broadcasts per module
 
@@ -24,8 +26,10 @@ timed through the end of deepspeed.initialize (no optimizer) for both variants:
             blocks, gathering each layer's whole fused experts on every rank
 By default all checkpoint files are read once before every launch: every variant runs warm. With --cold they are
 evicted from the page cache (posix_fadvise DONTNEED) before every launch instead, and the floor evicts them again
-before each of its timed passes. --size picks the checkpoint (~0.27, ~1 or ~3.8 GB) for the size-scaling rows. Per rank: load seconds; peak RSS growth (psutil sampling thread every 5 ms, peak minus the
-RSS just before the load; imports and init_distributed happen before); bytes through collectives during the
+before each of its timed passes. --size picks the checkpoint (~0.27, ~1 or ~3.8 GB) for the size-scaling rows.
+Per rank: load seconds; peak RSS growth (the kernel's high-water mark VmHWM, reset at the start of the load through
+/proc/self/clear_refs, minus the RSS just before the load; imports and init_distributed happen before; no sampling
+thread on the hot path, see _bench_worker.RssSampler); bytes through collectives during the
 load (tests/instrument.py CollectiveCounter plus DeepSpeed's captured all-gather/reduce-scatter references,
 which that counter cannot see); bytes read (ours: report bytes_read; floor: bytes it read; upstream: read()
 bytes from /proc/self/io rchar + bytes of the tensors transformers takes from the mmapped shards through

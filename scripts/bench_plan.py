@@ -11,7 +11,8 @@ times each step:
   skeleton  transformers builds the model on meta from the config
   headers   every shard's header is read and checked (`open_checkpoint`)
   resolve   transformers' conversion mapping, checkpoint keys grouped and resolved against the model (once per load)
-  plan      rank 0's plan: its partition of every tensor turned into read items (`plan_tensors`)
+  plan      rank 0's plan: its partition of every tensor turned into read items (`plan_tensors`); with --ep this
+            step also builds AutoEP's layers on the skeleton (`ExpertParallelLayout.convert`)
 
 It prints per row: those seconds and their sum (what a rank pays), the process's peak RSS (ru_maxrss) and its RSS
 before the steps, rank 0's read items and bytes. Target: the sum under 5 s at every size. With --ep each world size is
