@@ -1,22 +1,19 @@
 """`from_pretrained`: a drop-in for `AutoModel*.from_pretrained` that loads straight into ZeRO-3 partitions.
 
-Flow under ZeRO-3:
-1. transformers' own `from_pretrained` runs with the ZeRO-3 weakref hidden, so it resolves the checkpoint,
-   config, dtype and conversion mapping and builds a *meta* skeleton (no allocation, no broadcast);
-2. our `_load_pretrained_model` plans this rank's reads (`planner/`), turns every meta parameter into a
-   ZeRO-3 parameter with a local partition (`zero3.py`) and fills it from the files (`reader.py`);
-3. our `_finalize_model_loading` initialises missing keys in bounded chunks, ties weights, reports.
+This module is the glue: it finds the DeepSpeed config, checks the call's arguments on every rank, picks the init
+context, and runs transformers' own `from_pretrained` with two of its hooks replaced.
+- ZeRO-3: transformers resolves the checkpoint, config, dtype and conversion mapping and builds a *meta* skeleton
+  (no allocation, no broadcast); `zero3_load.Zero3Load` then plans, allocates and fills this rank's partitions and
+  finishes the load. Ranks without the files are found first (`streaming.find_readers`).
+- A model that cannot be built on meta, or `init_context="zero.Init"`: transformers' own ZeRO-3 path.
+- ZeRO-1/2 or no DeepSpeed: transformers loads onto the local device.
 Ranks agree on failure at each step (`agreement.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -24,67 +21,17 @@ import torch
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import AgreedFailure, Agreement
-from .checkpoint import check_files, check_index, check_weight_map, find_index, open_checkpoint
+from .checkpoint import check_index, find_index
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
-from .errors import CheckpointError, ConfigError, ConversionMismatchError
-from .expert_parallel import ExpertParallelLayout, create_groups, is_requested, request_from
-from .missing_init import DEFAULT_BUDGET_BYTES, InitStats, initialize_missing, materialize_meta_buffers
-from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
-                           resolve_checkpoint, suspicious_missing_keys)
-from .reader import FileReader, ReadStats, run_reads
-from .staging import DEFAULT_STAGING_BYTES, check_budget, run_staged_reads
-from .streaming import (DEFAULT_CHUNK_BYTES, MODES, Peer, Streamer, checkpoint_from_bundle, collect_small_files,
-                        decide, local_checkpoint, node_id, write_stub_folder)
-from .zero3 import Zero3Partitioner
+from .errors import ConfigError
+from .expert_parallel import create_groups, is_requested, request_from
+from .missing_init import DEFAULT_BUDGET_BYTES
+from .report import LoadReport, attach
+from .staging import DEFAULT_STAGING_BYTES, check_budget
+from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers
+from .zero3_load import Zero3Load, local_device
 
-
-
-@dataclass
-class LoadReport:
-    """What one rank did; attached to the model as `model.hf_zero3_load_report`."""
-
-    init_context: str
-    reason: str
-    rank: int = 0
-    world_size: int = 1
-    plan: LoadPlan | None = None
-    read: ReadStats = field(default_factory=ReadStats)
-    init: InitStats = field(default_factory=InitStats)
-    seconds: float = 0.0
-    phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
-    expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
-    stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
-    staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
-    expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
-
-    @contextmanager
-    def phase(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
-
-    def summary(self) -> dict:
-        out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,
-               "bytes_read": self.read.bytes_read, "read_calls": self.read.reads, "seconds": round(self.seconds, 3),
-               "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes,
-               "phases": {k: round(v, 3) for k, v in self.phases.items()}}
-        if self.plan is not None:
-            out.update(self.plan.summary())
-        if self.expert_parallel is not None:
-            out["expert_parallel"] = self.expert_parallel
-        if self.stream is not None:
-            out["stream"] = self.stream
-        if self.staging is not None:
-            out["staging"] = self.staging
-        return out
-
-
-def _local_device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+__all__ = ["LoadReport", "from_pretrained"]
 
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -111,276 +58,6 @@ def _ensure_distributed() -> None:
                        "(world size 1). For several ranks run `torchrun --nproc_per_node N your_script.py` or "
                        "`accelerate launch --use_deepspeed --num_processes N your_script.py`.")
     deepspeed.init_distributed()
-
-
-class _Zero3Load:
-    """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
-
-    def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
-                 allow_suspicious_missing: bool = False, keep_in_fp32: bool = False, expert_parallel=None,
-                 stream=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
-        self.staging_bytes = staging_bytes
-        self.allow_suspicious_missing = allow_suspicious_missing
-        self.stream = stream  # StreamContext when some ranks receive their bytes from another rank
-        self.expert_parallel = expert_parallel  # (ExpertParallelRequest, ExpertParallelGroups) or None
-        self.reached_load = False
-        self.keep_in_fp32 = keep_in_fp32
-        self.setup = setup
-        self.agreement = agreement
-        self.report = report
-        self.budget_bytes = budget_bytes
-        self.read_threads = read_threads
-
-    # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
-    def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
-        self.reached_load = True  # the meta skeleton was built
-        info, error = None, None
-        try:
-            info = self._load(model, state_dict, checkpoint_files, load_config)
-        except Exception as e:  # agree before anyone enters a DeepSpeed collective
-            error = e
-        with self.report.phase("agree"):
-            self.agreement.check("read checkpoint", error)
-        return info, None
-
-    def _load(self, model, state_dict, checkpoint_files, load_config):
-        if state_dict is not None:
-            raise ConfigError("hf_zero3_loader reads checkpoints from files; `state_dict=` is not supported")
-        self._refuse_kept_quantized(load_config.hf_quantizer)
-        with self.report.phase("plan"):
-            checkpoint = self._open_checkpoint(checkpoint_files, load_config)
-        with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
-            self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint))
-        with self.report.phase("plan"):
-            partitioner = Zero3Partitioner(self.setup.config)
-            world = partitioner.world_group()
-            resolution = resolve_checkpoint(model, checkpoint, load_config.weight_mapping or [],
-                                            load_config.dtype_plan or {})
-            layout, experts = None, None
-            if self.expert_parallel is not None:  # the MoE blocks become AutoEP layers, still on meta
-                request, groups = self.expert_parallel
-                layout = ExpertParallelLayout.convert(model, request, groups)
-                experts = partitioner.add_group(groups.edp_name, groups.edp_group)
-            if not load_config.ignore_mismatched_sizes:
-                self._refuse_incomplete_inputs(resolution)
-
-            def plan_for(rank: int, world_group: PartitionGroup, expert_group, ep_rank: int) -> LoadPlan:
-                group_of, sources = (lambda name: world_group), None
-                if layout is not None:
-                    group_of, sources = layout.group_of(world_group, expert_group), layout.sources_for(ep_rank)
-                return plan_tensors(model, resolution, checkpoint, group_of, rank, world.size, sources)
-
-            plan = plan_for(world.rank, world, experts, layout.groups.ep_rank if layout else 0)
-            check_plan_is_exact(plan)
-            if layout is not None:
-                layout.check_loaded(plan)
-                self.report.expert_parallel = layout.summary(plan)
-                self.report.expert_parallel_layout = layout
-            if isinstance(load_config.dtype, torch.dtype):
-                self._params_in_engine_dtype(plan, load_config.dtype)
-            self._refuse_broken_conversion(model, plan)
-            self.report.plan = plan
-            served = {}
-            if self.stream is not None:  # the same plans the receiving ranks make for themselves
-                if world.size != self.agreement.world_size:
-                    raise ConfigError("streaming checkpoint bytes needs ZeRO-3 partitions over the whole world")
-                for rank in self.stream.layout.serves(world.rank):
-                    peer = self.stream.layout.peers[rank]
-                    expert_group = PartitionGroup(experts.name, experts.size, peer.edp_rank) if experts else None
-                    served[rank] = plan_for(rank, PartitionGroup(WORLD, world.size, rank), expert_group, peer.ep_rank)
-                source = self.stream.layout.source_of.get(world.rank)
-                for t in plan.tensors.values():
-                    if t.status == "load" and source is not None:
-                        t.byte_source = f"rank {source}"
-        with self.report.phase("allocate"):
-            destinations = self._allocate(model, plan, partitioner)
-            if layout is not None:
-                layout.materialize_new_buffers(_local_device())
-        if self.stream is not None:
-            with self.report.phase("stream"):
-                edp = [self.expert_parallel[1].edp_group] if self.expert_parallel else []
-                self._stream(plan, served, checkpoint, destinations, edp)
-        if self.stream is None or self.stream.layout.reads_files(world.rank):
-            with self.report.phase("read"):
-                self._read(plan, checkpoint, destinations)
-        model._weight_conversions = plan.converted_weight_mapping  # what save_pretrained reverses
-        return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
-
-    def _stream(self, plan: LoadPlan, served: dict, checkpoint, destinations, groups) -> None:
-        """Readers send the ranks they serve their plans' bytes; receivers fill their partitions from them."""
-        import torch.distributed as dist
-
-        layout, rank = self.stream.layout, self.report.rank
-        device = torch.device("cpu") if dist.get_backend() == "gloo" else _local_device()
-        streamer = Streamer(self.stream.chunk_bytes, device)
-        with self.agreement.collective_section("stream checkpoint bytes", groups):
-            if served:
-                reader = FileReader(self.report.read, checkpoint.identities)
-                try:
-                    streamer.serve(served, checkpoint, reader)
-                finally:
-                    reader.close()
-            if rank in layout.source_of:
-                streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations})
-        self.report.stream = {**layout.summary(rank), "bytes_sent": streamer.bytes_sent,
-                              "bytes_received": streamer.bytes_received,
-                              "largest_stream_buffer_bytes": streamer.largest_buffer}
-
-    def _open_checkpoint(self, checkpoint_files, load_config):
-        if not checkpoint_files:
-            raise ConfigError(f"no checkpoint files found for {load_config.pretrained_model_name_or_path}")
-        name = str(load_config.pretrained_model_name_or_path)
-        check_files(name if os.path.isdir(name) else os.path.dirname(checkpoint_files[0]), checkpoint_files)
-        if self.stream is not None and self.stream.bundle is not None:  # stub files: the reader's headers
-            checkpoint = checkpoint_from_bundle(self.stream.bundle, checkpoint_files)
-        else:
-            checkpoint = open_checkpoint(checkpoint_files, weights_only=load_config.weights_only)
-        if load_config.sharded_metadata and "weight_map" in load_config.sharded_metadata:
-            check_weight_map(load_config.sharded_metadata["weight_map"], checkpoint)
-        return checkpoint
-
-    @staticmethod
-    def _refuse_kept_quantized(quantizer) -> None:
-        """Quantized checkpoints load dequantized (each rank dequantizes its own partition, `dequantize.py`); weights
-        kept quantized cannot be ZeRO-3 partitions that DeepSpeed trains."""
-        if quantizer is None or getattr(quantizer.quantization_config, "dequantize", False):
-            return
-        method = getattr(quantizer.quantization_config, "quant_method", "?")
-        hint = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)"}.get(
-            str(getattr(method, "value", method)), "the quantization config with dequantize=True, if it has one")
-        raise ConfigError(f"{type(quantizer).__name__}: keeping the weights quantized is not supported under DeepSpeed "
-                          f"ZeRO-3 (it partitions and trains dequantized weights); pass quantization_config={hint} to "
-                          "dequantize them while loading")
-
-    @staticmethod
-    def _refuse_incomplete_inputs(resolution) -> None:
-        """Merged tensors (fused experts) short of some of their checkpoint tensors: name them, rather than the size
-        mismatch transformers would report."""
-        short = [(target, missing_inputs(resolution, target, tuple(shape)))
-                 for target, _, shape in sorted(resolution.mismatched_keys, key=lambda m: m[0])]
-        short = [(target, missing) for target, missing in short if missing]
-        if short:
-            lines = "\n".join(f"  {target} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
-                              for target, missing in short[:8])
-            raise CheckpointError(f"{len(short)} parameters are built from numbered checkpoint tensors the checkpoint "
-                                  f"does not hold (a shard or an index entry missing?):\n{lines}")
-
-    def _refuse_broken_conversion(self, model, plan: LoadPlan) -> None:
-        suspicious = suspicious_missing_keys(plan)
-        if not suspicious or self.allow_suspicious_missing:
-            return
-        lines = "\n".join(f"  {m} <- unexpected: {', '.join(u[:4])}{' ...' if len(u) > 4 else ''}" for m, u in suspicious)
-        raise ConversionMismatchError(
-            f"{len(suspicious)} parameters the checkpoint seems meant to provide would be randomly initialised, "
-            f"while it holds unexpected keys that look like them (the weight conversion for model type "
-            f"{getattr(model.config, 'model_type', '?')!r} did not match this checkpoint's layout):\n{lines}\n"
-            "Pass `allow_suspicious_missing_keys=True` to load anyway and initialise them randomly."
-        )
-
-    def _allocate(self, model, plan: LoadPlan, partitioner: Zero3Partitioner) -> list[tuple]:
-        """ZeRO-3 params with local partitions, and loaded buffers; returns (plan, flat destination) to fill."""
-        destinations = []
-        for name, _ in list(model.named_parameters()):  # the same order on every rank: ds_ids agree
-            tensor_plan = plan.tensors[name]
-            module_name, _, param_name = name.rpartition(".")
-            param = partitioner.allocate(model.get_submodule(module_name), param_name, tensor_plan)
-            if tensor_plan.status == "load":
-                param._is_hf_initialized = True
-                destinations.append((tensor_plan, param.ds_tensor))
-        for name, _ in list(model.named_buffers()):
-            tensor_plan = plan.tensors.get(name)
-            if tensor_plan is None or tensor_plan.status != "load":
-                continue
-            module_name, _, buf_name = name.rpartition(".")
-            value = torch.empty(tensor_plan.shape, dtype=tensor_plan.dtype, device=partitioner.local_device)
-            value._is_hf_initialized = True
-            model.get_submodule(module_name)._buffers[buf_name] = value
-            destinations.append((tensor_plan, value.view(-1)))
-        return destinations
-
-    def _read(self, plan: LoadPlan, checkpoint, destinations) -> None:
-        from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
-
-        # host partitions are read in place; accelerator ones through the bounded staging buffer (`staging.py`)
-        in_place, staged = [], []
-        force_staging = os.environ.get("HF_ZERO3_LOADER_FORCE_STAGING") == "1"  # tests the staging path on CPU
-        for tensor_plan, dst in destinations:
-            jobs = staged if force_staging or dst.device.type != "cpu" else in_place
-            jobs.extend((item, checkpoint.entry(item.key), dst) for item in tensor_plan.reads)
-        reader = FileReader(self.report.read, checkpoint.identities)
-        try:
-            with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
-                      disable=self.report.rank != 0) as bar:
-                run_reads(in_place, reader, threads=self.read_threads, progress=bar.update)
-                if staged:
-                    self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
-                                                           progress=bar.update).summary()
-        finally:
-            reader.close()
-
-    def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype) -> None:
-        """DeepSpeed ZeRO-3 (0.19.8) flattens all trainable params into one buffer of one dtype (stage3
-        `defragment` asserts otherwise), as `zero.Init` casts them. Params a plain load keeps in another float
-        dtype (`_keep_in_fp32_modules`, fp32 biases built by the model) are loaded in the engine's dtype."""
-        if self.keep_in_fp32:
-            return
-        changed = [(t.name, t.dtype) for t in plan.tensors.values()
-                   if t.kind == "param" and t.dtype.is_floating_point and t.dtype != engine_dtype]
-        for name, _ in changed:
-            plan.tensors[name].dtype = engine_dtype
-        if changed and self.report.rank == 0:
-            log.warning(
-                "%d parameters that a plain load keeps in another dtype (e.g. %s: %s, from `_keep_in_fp32_modules` "
-                "or the model) are loaded in %s: DeepSpeed ZeRO-3 holds all trainable parameters in the engine's "
-                "dtype. Pass `keep_in_fp32=True` to keep the plain load's dtypes (then freeze those parameters "
-                "before `deepspeed.initialize`).",
-                len(changed), changed[0][0], changed[0][1], engine_dtype,
-            )
-
-    # -- replaces PreTrainedModel._finalize_model_loading ---------------------------------------------
-    def finalize(self, model, load_config, loading_info):
-        with self.report.phase("finalize"):
-            return self._finalize(model, load_config, loading_info)
-
-    def _finalize(self, model, load_config, loading_info):
-        groups = [self.expert_parallel[1].edp_group] if self.expert_parallel is not None else []
-        try:
-            model.mark_tied_weights_as_initialized(loading_info)
-            materialize_meta_buffers(model, _local_device())
-            with self.agreement.collective_section("missing-key init", groups):
-                initialize_missing(model, self.budget_bytes, self.report.init)
-            with self.agreement.collective_section("tied-weights check", groups), \
-                    hf_private.tied_equality(_zero3_tied_params_are_equal):
-                model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
-            model._adjust_missing_and_unexpected_keys(loading_info)
-        finally:
-            hf_private.report_loading(model, load_config, loading_info)
-        return loading_info
-
-
-def checkpoint_identity(model, load_config, checkpoint) -> dict:
-    """What every rank must agree on before planning: the config transformers built, the index, and every file's
-    size, header and sampled data (each rank's copy is compared with the first rank's)."""
-    config = {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_")}
-    weight_map = (load_config.sharded_metadata or {}).get("weight_map")
-    digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
-    return {"config.json": digest(config), "the list of files": digest(sorted(checkpoint.fingerprints)),
-            "the index": digest(weight_map) if weight_map else "none",
-            **{f"file {name}": value for name, value in sorted(checkpoint.fingerprints.items())}}
-
-
-def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> bool:
-    """Compare two ZeRO-3 params by their partitions: each rank compares its own, all ranks agree."""
-    import torch.distributed as dist
-
-    if not (hasattr(source, "ds_tensor") and hasattr(target, "ds_tensor")):
-        return source.shape == target.shape and torch.equal(source, target)
-    if source.ds_shape != target.ds_shape:
-        return False
-    differs = torch.tensor([0 if torch.equal(source.ds_tensor, target.ds_tensor) else 1], dtype=torch.int32,
-                           device=source.ds_tensor.device)  # NCCL reduces only accelerator tensors
-    dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=source.ds_process_group)
-    return differs.item() == 0
 
 
 def from_pretrained(
@@ -503,57 +180,11 @@ def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, s
     if setup is not None:
         kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        kwargs.setdefault("device_map", {"": _local_device()})
+        kwargs.setdefault("device_map", {"": local_device()})
     with hf_private.hidden_hf_zero3():
         model = model_class.from_pretrained(path, *model_args, **kwargs)
-    _attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
+    attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
     return model
-
-
-@dataclass
-class StreamContext:
-    layout: object  # streaming.StreamLayout
-    bundle: dict | None  # the reader's small files and headers, on a rank without the files
-    chunk_bytes: int
-
-
-def _find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
-    """Which ranks can read the checkpoint; the others get the small files and write a stub folder for transformers.
-    Returns (StreamContext or None, the path and kwargs this rank loads with)."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
-    ep_rank, edp_rank = 0, 0
-    if expert_parallel is not None:
-        groups = expert_parallel[1]
-        ep_rank, edp_rank = groups.ep_rank, dist.get_rank(group=groups.edp_group)
-    me = Peer(dist.get_rank(), node_id(), folder is not None, reason, ep_rank, edp_rank)
-    # through the store, no collective: when every rank can read (and nobody asks to stream), that is all
-    values = agreement.gather("find the ranks that can read the checkpoint", asdict(me),
-                              needed=not me.readable or mode == "stream")
-    if values is None:
-        return None, path, kwargs
-    peers = [Peer(**v) for v in values]
-    layout = decide(peers, mode)
-    if not layout.streaming:
-        return None, path, kwargs
-    bundle = None
-    if not all(p.readable for p in peers):
-        box = [None]
-        with agreement.collective_section("hand the config and headers to the ranks without the files"):
-            if me.rank == layout.first_reader():
-                box = [collect_small_files(folder, files)]
-            dist.broadcast_object_list(box, src=layout.first_reader())
-        if not me.readable:
-            bundle = box[0]
-            path = write_stub_folder(bundle, tempfile.mkdtemp(prefix="hf_zero3_loader_stub_"))
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision")}
-    summary = ", ".join(f"rank {r} <- rank {src}" for r, src in sorted(layout.source_of.items()))
-    if me.rank == 0:
-        log.info("streaming checkpoint bytes (load_from=%r): %s", mode, summary)
-    return StreamContext(layout, bundle, chunk_bytes), path, kwargs
 
 
 def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init_context, ep_size, read_threads,
@@ -594,7 +225,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
                                     "requested with init_context='zero.Init'")
     stream, original_path = None, path
     if load_from != "read" and dist.get_world_size() > 1:
-        stream, path, kwargs = _find_readers(path, kwargs, agreement, load_from, chunk_bytes, expert_parallel)
+        stream, path, kwargs = find_readers(path, kwargs, agreement, load_from, chunk_bytes, expert_parallel)
     try:
         return _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel,
                              stream, original_path, init_context=init_context, read_threads=read_threads,
@@ -621,7 +252,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
-    hooks = _Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
+    hooks = Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
                        expert_parallel, stream, staging_bytes)
     error, model = None, None
     try:
@@ -644,7 +275,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     if path != original_path:  # loaded from a stub folder: name the checkpoint as the user did
         target.config._name_or_path = str(original_path)
         target.name_or_path = str(original_path)
-    _attach(model, report)
+    attach(model, report)
     return model
 
 
@@ -666,10 +297,7 @@ def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement
     agreement.check("finish load (zero.Init)", error)
     import torch.distributed as dist
 
-    _attach(model, LoadReport("zero.Init", reason, rank=dist.get_rank(), world_size=dist.get_world_size()))
+    attach(model, LoadReport("zero.Init", reason, rank=dist.get_rank(), world_size=dist.get_world_size()))
     return model
 
 
-def _attach(model, report: LoadReport) -> None:
-    target = model[0] if isinstance(model, tuple) else model
-    target.hf_zero3_load_report = report

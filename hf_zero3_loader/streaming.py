@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -232,6 +232,54 @@ def checkpoint_from_bundle(bundle: dict, files: list[str]) -> Checkpoint:
             for key, dtype, shape in info["tensors"]:
                 checkpoint.entries[key] = TensorEntry(key, path, getattr(torch, dtype), tuple(shape), 0)
     return checkpoint
+
+
+@dataclass
+class StreamContext:
+    layout: object  # streaming.StreamLayout
+    bundle: dict | None  # the reader's small files and headers, on a rank without the files
+    chunk_bytes: int
+
+
+def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
+    """Which ranks can read the checkpoint; the others get the small files and write a stub folder for transformers.
+    Returns (StreamContext or None, the path and kwargs this rank loads with)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from . import log
+
+    folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
+    ep_rank, edp_rank = 0, 0
+    if expert_parallel is not None:
+        groups = expert_parallel[1]
+        ep_rank, edp_rank = groups.ep_rank, dist.get_rank(group=groups.edp_group)
+    me = Peer(dist.get_rank(), node_id(), folder is not None, reason, ep_rank, edp_rank)
+    # through the store, no collective: when every rank can read (and nobody asks to stream), that is all
+    values = agreement.gather("find the ranks that can read the checkpoint", asdict(me),
+                              needed=not me.readable or mode == "stream")
+    if values is None:
+        return None, path, kwargs
+    peers = [Peer(**v) for v in values]
+    layout = decide(peers, mode)
+    if not layout.streaming:
+        return None, path, kwargs
+    bundle = None
+    if not all(p.readable for p in peers):
+        box = [None]
+        with agreement.collective_section("hand the config and headers to the ranks without the files"):
+            if me.rank == layout.first_reader():
+                box = [collect_small_files(folder, files)]
+            dist.broadcast_object_list(box, src=layout.first_reader())
+        if not me.readable:
+            bundle = box[0]
+            path = write_stub_folder(bundle, tempfile.mkdtemp(prefix="hf_zero3_loader_stub_"))
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision")}
+    summary = ", ".join(f"rank {r} <- rank {src}" for r, src in sorted(layout.source_of.items()))
+    if me.rank == 0:
+        log.info("streaming checkpoint bytes (load_from=%r): %s", mode, summary)
+    return StreamContext(layout, bundle, chunk_bytes), path, kwargs
 
 
 # -- the stream: the same pieces and chunks on both ends -----------------------------------------------------------------

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from tests.checkpoints import make_checkpoint, make_config
+from tests.checkpoints import make_checkpoint
 from tests.conftest import ROOT, python_path, run_ranks, run_torchrun
 
 LIVENESS_S = 10  # the tests' liveness bound (default 30 s); detection must come within it plus a margin

@@ -139,12 +139,12 @@ def test_keeping_weights_quantized_is_refused_with_what_to_pass():
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     from hf_zero3_loader.errors import ConfigError
-    from hf_zero3_loader.loader import _Zero3Load
+    from hf_zero3_loader.zero3_load import Zero3Load
 
     quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config())
     with pytest.raises(ConfigError, match=r"FineGrainedFP8Config\(dequantize=True\)"):
-        _Zero3Load._refuse_kept_quantized(quantizer)
-    _Zero3Load._refuse_kept_quantized(FineGrainedFP8HfQuantizer(FineGrainedFP8Config(dequantize=True)))
+        Zero3Load._refuse_kept_quantized(quantizer)
+    Zero3Load._refuse_kept_quantized(FineGrainedFP8HfQuantizer(FineGrainedFP8Config(dequantize=True)))
 
 
 def test_every_loading_op_of_transformers_has_a_rule():

@@ -15,7 +15,6 @@ World sizes 1-4, dense and MoE, tied and untied, with and without expert paralle
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 

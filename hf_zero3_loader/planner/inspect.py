@@ -9,7 +9,7 @@ import os
 import torch
 
 from ..checkpoint import open_checkpoint
-from .plan import WORLD, LoadPlan, PartitionGroup, plan_tensors, resolve_checkpoint
+from .plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
 
 
 def checkpoint_files(folder: str) -> list[str]:

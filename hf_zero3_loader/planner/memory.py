@@ -17,7 +17,6 @@ Per rank, in bytes:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +96,6 @@ def predict(plans: list[LoadPlan], model: torch.nn.Module, ds_config: dict, chec
                      for s, p in zip(shares, plans)]  # rank 0 maps the whole checkpoint
     upstream_device = [s + gathered if on_device else 0 for s in shares]
     offload_optimizer, offload_param = _offload(ds_config, "offload_optimizer"), _offload(ds_config, "offload_param")
-    nodes = max(1, math.ceil(world / ranks_per_node))
     largest_layer_memory = 4 * largest
     per_node = min(world, ranks_per_node) * per_rank
     if offload_param:

@@ -1,0 +1,58 @@
+"""What one load did, per rank: attached to the model as `model.hf_zero3_load_report`."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .missing_init import InitStats
+from .planner.plan import LoadPlan
+from .reader import ReadStats
+
+
+@dataclass
+class LoadReport:
+    """What one rank did; attached to the model as `model.hf_zero3_load_report`."""
+
+    init_context: str
+    reason: str
+    rank: int = 0
+    world_size: int = 1
+    plan: LoadPlan | None = None
+    read: ReadStats = field(default_factory=ReadStats)
+    init: InitStats = field(default_factory=InitStats)
+    seconds: float = 0.0
+    phases: dict = field(default_factory=dict)  # seconds per phase: plan, allocate, read, finalize
+    expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
+    stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
+    staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
+    expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def summary(self) -> dict:
+        out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,
+               "bytes_read": self.read.bytes_read, "read_calls": self.read.reads, "seconds": round(self.seconds, 3),
+               "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes,
+               "phases": {k: round(v, 3) for k, v in self.phases.items()}}
+        if self.plan is not None:
+            out.update(self.plan.summary())
+        if self.expert_parallel is not None:
+            out["expert_parallel"] = self.expert_parallel
+        if self.stream is not None:
+            out["stream"] = self.stream
+        if self.staging is not None:
+            out["staging"] = self.staging
+        return out
+
+
+def attach(model, report: LoadReport) -> None:
+    target = model[0] if isinstance(model, tuple) else model
+    target.hf_zero3_load_report = report
