@@ -11,6 +11,16 @@ from .planner.plan import LoadPlan
 from .reader import ReadStats
 
 
+@contextmanager
+def timed_phase(phases: dict, name: str):
+    """Add the seconds spent inside the block to `phases[name]` (a phase can be entered several times)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
+
 @dataclass
 class LoadReport:
     """What one rank did; attached to the model as `model.hf_zero3_load_report`."""
@@ -29,13 +39,8 @@ class LoadReport:
     staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
     expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
 
-    @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+        return timed_phase(self.phases, name)
 
     def summary(self) -> dict:
         out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,

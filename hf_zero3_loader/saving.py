@@ -29,7 +29,6 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -43,6 +42,7 @@ from .errors import CheckpointError, ConfigError, LoaderError
 from .planner.plan import (LoadPlan, PartitionGroup, SourceBox, check_plan_is_exact, model_tensors, plan_tensors,
                            resolve_checkpoint)
 from .reader import STAGING_BYTES
+from .report import timed_phase
 from .streaming import DEFAULT_CHUNK_BYTES, Peer, Streamer, decide, node_id
 from .writer import FileWriter, WriteStats, create_file, run_writes
 
@@ -68,13 +68,8 @@ class SaveReport:
     stream: dict | None = None
     gathered: bool = False  # True only when the model was not partitioned and transformers saved it
 
-    @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+        return timed_phase(self.phases, name)
 
     def summary(self) -> dict:
         out = {"folder": self.folder, "rank": self.rank, "world_size": self.world_size, "writer_rank": self.writer_rank,

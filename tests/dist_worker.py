@@ -92,8 +92,8 @@ def inject_fault(case: dict):
     stalls, or its checkpoint changes under it. Returns a function that undoes the patch."""
     import signal
 
-    import hf_zero3_loader.loader as loader
     import hf_zero3_loader.reader as reader
+    import hf_zero3_loader.zero3_load as loader  # the ZeRO-3 load's steps look these names up here
 
     fault = case.get("inject")
     if not fault or fault["rank"] != dist.get_rank():
@@ -220,7 +220,7 @@ def run_case(case: dict) -> dict:
 
     keep_alive: list = []
     if case.get("measure_staging"):  # the largest allocation while filling partitions through the staging buffer
-        from hf_zero3_loader import loader as loader_module
+        from hf_zero3_loader import zero3_load as loader_module
 
         staged_largest, real_staged = LargestAllocation(), loader_module.run_staged_reads
 
