@@ -10,7 +10,7 @@ way and measure the save.
             memory), then model.save_pretrained(DIR, state_dict=...) on rank 0
 
 Both load with hf_zero3_loader (not measured). The window is the save only: per rank wall seconds, peak RSS growth over
-the RSS just before it (psutil sampling every 5 ms), bytes through collectives, bytes written (/proc/self/io wchar).
+the RSS just before it (the kernel's VmHWM, reset there), bytes through collectives, bytes written (/proc/self/io wchar).
 """
 
 from __future__ import annotations

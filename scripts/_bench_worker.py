@@ -12,7 +12,7 @@
 
 Every variant runs in a fresh process: imports, `init_distributed` and the model module import happen before
 the baseline, so the measured window is only the load. Per rank it records wall seconds of the load, the peak
-RSS growth over the baseline (a psutil sampling thread every 5 ms, plus ru_maxrss), bytes through
+RSS growth over the baseline (the kernel's VmHWM, reset at the baseline), bytes through
 torch.distributed collectives (tests/instrument.py CollectiveCounter) and /proc/self/io deltas.
 """
 
