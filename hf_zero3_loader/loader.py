@@ -26,6 +26,7 @@ from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtyp
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, request_from
 from .missing_init import DEFAULT_BUDGET_BYTES
+from .reader import default_io_threads
 from .report import LoadReport, attach
 from .staging import DEFAULT_STAGING_BYTES, check_budget
 from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers
@@ -249,9 +250,8 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
         context, reason = "ep-meta", f"{reason}, expert parallel size {ep_request.ep_size} ({ep_request.asked_via})"
     report = LoadReport(context, reason, rank=dist.get_rank(), world_size=dist.get_world_size())
     log.debug("init context '%s' (%s): each rank reads its own partitions", context, reason)
-    if read_threads is None:  # more threads than cores only adds contention between ranks on one machine
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        read_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
+    if read_threads is None:
+        read_threads = default_io_threads()
     hooks = Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
                        expert_parallel, stream, staging_bytes)
     error, model = None, None

@@ -36,6 +36,15 @@ class ReadStats:
             self.reads += 1
 
 
+def default_io_threads() -> int:
+    """Threads issuing reads or writes when the caller names none: this rank's share of the machine's cores, at most
+    4 (more threads than cores only adds contention between the ranks on one machine)."""
+    import torch.distributed as dist
+
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    return max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
+
+
 def _as_bytes(t: torch.Tensor):
     """A writable numpy byte view over a CPU tensor's storage (works for bf16 too)."""
     return t.view(torch.uint8).numpy() if t.numel() else memoryview(b"")

@@ -41,7 +41,7 @@ from .checkpoint import INDEX_NAMES, Checkpoint, PlannedFile, plan_safetensors_f
 from .errors import CheckpointError, ConfigError, LoaderError
 from .planner.plan import (LoadPlan, PartitionGroup, SourceBox, check_plan_is_exact, model_tensors, plan_tensors,
                            resolve_checkpoint)
-from .reader import STAGING_BYTES
+from .reader import STAGING_BYTES, default_io_threads
 from .report import timed_phase
 from .streaming import DEFAULT_CHUNK_BYTES, Peer, Streamer, decide, node_id
 from .writer import FileWriter, WriteStats, create_file, run_writes
@@ -372,12 +372,7 @@ class _Save:
         self.file_layout, self.write_mode = file_layout, write_mode
         self.chunk_bytes, self.staging_bytes = chunk_bytes, staging_bytes
         self.extra_files, self.refused = extra_files, refused
-        if write_threads is None:
-            import torch.distributed as dist
-
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-            write_threads = max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
-        self.threads = write_threads
+        self.threads = default_io_threads() if write_threads is None else write_threads
         self.layout = getattr(getattr(module, "hf_zero3_load_report", None), "expert_parallel_layout", None)
         self.temp: str | None = None  # the writer's temporary folder, until published
 

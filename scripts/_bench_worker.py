@@ -336,6 +336,7 @@ def main() -> None:
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401  (lazy import kept out of the window)
 
     import hf_zero3_loader  # noqa: F401
+    from hf_zero3_loader.reader import default_io_threads
 
     on_gpu = torch.cuda.is_available()
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
@@ -366,25 +367,22 @@ def main() -> None:
     with RssSampler() as rss:
         start = time.perf_counter()
         if args.variant == "floor":
-            timings = {}
             # one pass only: a second pass would land in memory the first just freed, which this VM hands back far
             # faster than fresh memory (first touch), so it would not be a floor for a load into fresh partitions
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            for threads in [args.floor_threads or max(1, min(4, (os.cpu_count() or 1) // local))]:
-                if args.cold:  # each pass reads cold: rank 0 evicts between barriers
-                    dist.barrier()
-                    if rank == 0:
-                        for path in sorted({f for f, _, _ in spans}):
-                            fd = os.open(path, os.O_RDONLY)
-                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                            os.close(fd)
-                    dist.barrier()
-                t0 = time.perf_counter()
-                buf = read_spans(spans, threads)
-                timings[threads] = time.perf_counter() - t0
-                del buf
-            seconds = min(timings.values())
-            result["floor_seconds_by_threads"] = timings
+            threads = args.floor_threads or default_io_threads()
+            if args.cold:  # the pass reads cold: rank 0 evicts between barriers
+                dist.barrier()
+                if rank == 0:
+                    for path in sorted({f for f, _, _ in spans}):
+                        fd = os.open(path, os.O_RDONLY)
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                        os.close(fd)
+                dist.barrier()
+            t0 = time.perf_counter()
+            buf = read_spans(spans, threads)
+            seconds = time.perf_counter() - t0
+            del buf
+            result["floor_seconds_by_threads"] = {threads: seconds}
             model = None
         else:
             with counter, st_bytes:

@@ -26,7 +26,7 @@ timed through the end of deepspeed.initialize (no optimizer) for both variants:
             blocks, gathering each layer's whole fused experts on every rank
 By default all checkpoint files are read once before every launch: every variant runs warm. With --cold they are
 evicted from the page cache (posix_fadvise DONTNEED) before every launch instead, and the floor evicts them again
-before each of its timed passes. --size picks the checkpoint (~0.27, ~1 or ~3.8 GB) for the size-scaling rows.
+before each of its timed passes. --size picks the checkpoint (~0.29, ~0.94 or ~3.5 GB) for the size-scaling rows.
 Per rank: load seconds; peak RSS growth (the kernel's high-water mark VmHWM, reset at the start of the load through
 /proc/self/clear_refs, minus the RSS just before the load; imports and init_distributed happen before; no sampling
 thread on the hot path, see _bench_worker.RssSampler); bytes through collectives during the

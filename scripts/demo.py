@@ -83,8 +83,8 @@ def run_pair(workdir: str, ckpt: str, timeout: float, ep: bool) -> bool:
     print(table(results))
     print()
     print("load s: wall time of from_pretrained on that rank" + (" plus deepspeed.initialize" if ep else "") +
-          "; peak RSS growth: the kernel's high-water mark (VmHWM) over the RSS just before the load; collective MiB: tensor "
-          "bytes given to torch.distributed collectives (incl. DeepSpeed's all-gathers); read MiB: ours = its "
+          "; peak RSS growth: the kernel's high-water mark (VmHWM) over the RSS just before the load; collective MiB: "
+          "tensor bytes given to torch.distributed collectives (incl. DeepSpeed's all-gathers); read MiB: ours = its "
           "report's bytes_read, upstream = read() bytes (/proc/self/io rchar) + bytes of tensors taken from the "
           "mmapped shards via safetensors get_tensor")
     if ep:
