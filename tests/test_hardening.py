@@ -158,10 +158,15 @@ def test_an_interrupt_cancels_the_queued_reads():
     from hf_zero3_loader.reader import run_reads
 
     reader = _SlowReader(0.05)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real Ctrl-C, to any thread
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        run_reads(_jobs(200), reader, threads=4)
+    # a shell starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C handler: install it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real Ctrl-C, to any thread
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            run_reads(_jobs(200), reader, threads=4)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 1.5
     time.sleep(0.2)
     assert reader.calls < 60, f"{reader.calls} reads ran after the interrupt"
