@@ -25,6 +25,7 @@ from .checkpoint import check_index, find_index
 from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, request_from
+from .gc_pause import paused_gc
 from .missing_init import DEFAULT_BUDGET_BYTES
 from .reader import default_io_threads
 from .report import LoadReport, attach
@@ -256,7 +257,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
                        expert_parallel, stream, staging_bytes)
     error, model = None, None
     try:
-        with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize):
+        with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize), paused_gc():
             model = model_class.from_pretrained(path, *model_args, **kwargs)
     except AgreedFailure:
         raise

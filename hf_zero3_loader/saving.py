@@ -39,6 +39,7 @@ from . import log
 from .agreement import Agreement
 from .checkpoint import INDEX_NAMES, Checkpoint, PlannedFile, plan_safetensors_file
 from .errors import CheckpointError, ConfigError, LoaderError
+from .gc_pause import paused_gc
 from .planner.plan import (LoadPlan, PartitionGroup, SourceBox, check_plan_is_exact, model_tensors, plan_tensors,
                            resolve_checkpoint)
 from .reader import STAGING_BYTES, default_io_threads
@@ -383,7 +384,7 @@ class _Save:
             error = self.refused
             try:
                 if error is None:
-                    with report.phase("plan"):
+                    with report.phase("plan"), paused_gc():
                         self._plan(private)
             except Exception as e:
                 error = e

@@ -46,13 +46,28 @@ def rss_mib() -> float:
 def child(folder: str, world_size: int, ep_size: int) -> dict:
     """One rank's planning, step by step (the steps of `planner.inspect.plan_ranks`, timed apart)."""
     import torch  # noqa: F401  (imports are not timed)
+    import transformers.conversion_mapping  # noqa: F401
+
+    import hf_zero3_loader.planner.inspect  # noqa: F401
+    from hf_zero3_loader.gc_pause import paused_gc
+
+    rss_before = rss_mib()
+    with paused_gc():  # as in a load
+        seconds, checkpoint, plan = _timed_steps(folder, world_size, ep_size)
+    return {"world_size": world_size, "ep_size": ep_size, "seconds": seconds, "total_seconds": sum(seconds.values()),
+            "rss_before_mib": rss_before, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "checkpoint_tensors": len(checkpoint.entries), "checkpoint_bytes": checkpoint.nbytes,
+            "parameters": sum(e.numel for e in checkpoint.entries.values()),
+            "read_items": sum(len(t.reads) for t in plan.tensors.values()), "bytes_to_read": plan.bytes_to_read}
+
+
+def _timed_steps(folder: str, world_size: int, ep_size: int):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     from hf_zero3_loader.checkpoint import open_checkpoint
     from hf_zero3_loader.planner.inspect import EXPERTS, checkpoint_files, meta_skeleton
     from hf_zero3_loader.planner.plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
 
-    rss_before = rss_mib()
     seconds = {}
     t = time.perf_counter()
     model, dtype = meta_skeleton(folder)
@@ -75,11 +90,7 @@ def child(folder: str, world_size: int, ep_size: int) -> dict:
         group_of, sources = layout.group_of(world, experts), layout.sources_for(0)
     plan = plan_tensors(model, resolution, checkpoint, group_of, 0, world_size, sources)
     seconds["plan"] = time.perf_counter() - t
-    return {"world_size": world_size, "ep_size": ep_size, "seconds": seconds, "total_seconds": sum(seconds.values()),
-            "rss_before_mib": rss_before, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "checkpoint_tensors": len(checkpoint.entries), "checkpoint_bytes": checkpoint.nbytes,
-            "parameters": sum(e.numel for e in checkpoint.entries.values()),
-            "read_items": sum(len(t.reads) for t in plan.tensors.values()), "bytes_to_read": plan.bytes_to_read}
+    return seconds, checkpoint, plan
 
 
 def sparse_checkpoint(workdir: str, name: str) -> str:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from ..checkpoint import open_checkpoint
+from ..gc_pause import paused_gc
 from .plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
 
 
@@ -42,6 +43,11 @@ def plan_ranks(folder: str, world_size: int, ranks=None, model_class=None, dtype
     """Each rank's plan, outside a distributed job (no data read). With `ep_size`, the model's MoE blocks become
     AutoEP layers (as a load with expert parallelism makes them) and EP ranks are laid out as DeepSpeed lays them
     out by default (EP groups of consecutive ranks). The checkpoint is resolved once for all ranks."""
+    with paused_gc():
+        return _plan_ranks(folder, world_size, ranks, model_class, dtype, ep_size, with_model)
+
+
+def _plan_ranks(folder, world_size, ranks, model_class, dtype, ep_size, with_model):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     model, dtype = meta_skeleton(folder, model_class, dtype)
