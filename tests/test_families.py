@@ -1,4 +1,4 @@
-"""The family sweep (tests/families.py): every listed model type loads bit- and dtype-exact at world sizes 2 and 3,
+"""The family sweep (tests/families.py): every listed model type loads bit- and dtype-exact at world sizes 2, 3 and 4,
 each world size one torchrun job over all families. The model cards name exactly these families."""
 
 from __future__ import annotations
