@@ -175,7 +175,8 @@ def render() -> dict[str, str]:
     index += ["", f"## The family sweep ({len(families.SWEEP)} model types)", "",
               "Every causal-LM model type transformers 5.23 can build small from its own config class, saved with "
               f"`save_pretrained` and loaded bit-exact at world sizes "
-              f"{', '.join(map(str, families.SWEEP_WORLD_SIZES))} (`tests/test_families.py`):", "",
+              f"{', '.join(map(str, families.SWEEP_WORLD_SIZES))}, and saved without a gather at world size 3 into "
+              "byte for byte the files transformers' own `save_pretrained` writes (`tests/test_families.py`):", "",
               ", ".join(f"`{t}`" for t in families.SWEEP), ""]
     if families.NOT_BUILT:
         index += ["Not in the sweep (their configs refuse small sizes): " +

@@ -1,5 +1,6 @@
 """The family sweep (tests/families.py): every listed model type loads bit- and dtype-exact at world sizes 2, 3 and 4,
-each world size one torchrun job over all families. The model cards name exactly these families."""
+each world size one torchrun job over all families, and saves without a gather at world size 3 into the very files
+transformers' own save_pretrained writes. The model cards name exactly these families."""
 
 from __future__ import annotations
 
@@ -39,4 +40,41 @@ def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, w
                   if got["state"][n].dtype != want.dtype or not torch.equal(got["state"][n], want)]
         if differ:
             failures.append(f"{case['name']}: {len(differ)} tensors differ, e.g. {differ[:3]}")
+    assert not failures, "\n".join(failures)
+
+
+SAVE_WORLD_SIZE = 3
+
+
+def test_every_family_in_the_sweep_saves_the_files_plain_save_pretrained_writes(checkpoints, workdir):
+    """Loaded at W=3, saved with hf_zero3_loader.save_pretrained (each rank writes its share): the folder is byte for
+    byte what transformers' save_pretrained writes for the gathered model, and loads back with nothing missing."""
+    from tests.test_saving import plain_load
+
+    cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_save_{t}.pt"),
+              "save": {"dir": os.path.join(workdir, "sweep_saved", t), "kwargs": {}, "reference": True}}
+             for t, path in checkpoints.items()]
+    failures = []
+    for case, dump in zip(cases, run_torchrun(SAVE_WORLD_SIZE, cases, workdir, timeout=1500)):
+        errors = [r.get("error") or r.get("save_error") for r in dump["ranks"] if "error" in r or "save_error" in r]
+        if errors:
+            failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
+            continue
+        folder, reference = case["save"]["dir"], case["save"]["dir"] + ".reference"
+        names = sorted(os.listdir(folder))
+        if names != sorted(os.listdir(reference)):
+            failures.append(f"{case['name']}: files {names} vs {sorted(os.listdir(reference))}")
+            continue
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as ours, open(os.path.join(reference, name), "rb") as plain:
+                if ours.read() != plain.read():
+                    failures.append(f"{case['name']}: {name} differs from plain save_pretrained's")
+        model, info = plain_load(folder)
+        if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+            failures.append(f"{case['name']}: loading the saved folder reports {info}")
+        loaded = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+        differ = [n for n, want in dump["rank0"]["trained_state"].items()
+                  if n not in loaded or loaded[n].dtype != want.dtype or not torch.equal(loaded[n].detach(), want)]
+        if differ:
+            failures.append(f"{case['name']}: {len(differ)} tensors differ after loading the saved folder: {differ[:3]}")
     assert not failures, "\n".join(failures)
