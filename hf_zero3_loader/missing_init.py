@@ -5,7 +5,9 @@ model's `_initialize_weights` on each; under ZeRO-3 it gathers *every* uninitial
 We walk the same modules in the same order (so rank 0 consumes its RNG stream exactly as a plain
 single-process load does) but gather only the uninitialised parameters of consecutive modules up to
 `budget_bytes` at a time; `GatheredParameters(modifier_rank=0)` then broadcasts rank 0's values and
-re-partitions. At no moment is more than max(budget, largest missing parameter) gathered.
+re-partitions. At no moment is more than max(budget, largest missing parameter) gathered, except for a module
+whose init draws random numbers outside transformers' init functions (Mamba's mixer): its missing params are
+gathered together, since initialising them one at a time would draw those numbers once per param.
 """
 
 from __future__ import annotations
@@ -38,35 +40,75 @@ def _nbytes(param) -> int:
 
 
 def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Buffers not loaded (non-persistent ones such as RoPE `inv_freq`) get real storage; init computes them."""
+    """Buffers not loaded (non-persistent ones such as RoPE `inv_freq`) get real storage; init computes them. Zeros,
+    not `empty`: a buffer the model's init leaves alone (Apertus' xIELU `beta` and `eps` when missing) must hold the
+    same value on every rank, where a plain load leaves uninitialised memory."""
     for module in model.modules():
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.empty_like(buf, device=device)
+                module._buffers[name] = torch.zeros_like(buf, device=device)
 
 
-def _init_order(module, owner, params: list) -> list | None:
-    """The order in which `owner._init_weights(module)` initialises `params`; None if it cannot be learned.
+@dataclass
+class InitTouches:
+    """What `owner._init_weights(module)` does, learned from a dry run."""
 
-    A dry run with recording stand-ins for the init functions, under a forked RNG: nothing is written or drawn.
-    """
+    params: list  # missing ZeRO-3 params it initialises (its own and its children's), in order
+    draws_outside: bool  # it also draws random numbers outside transformers' init functions (Mamba's `torch.rand`)
+
+
+def _init_touches(module, owner) -> InitTouches | None:
+    """A dry run of `owner._init_weights(module)` with recording stand-ins for the init functions, under a forked RNG:
+    nothing is written or drawn. None if it cannot run that way."""
     recorded: list = []
-    wanted = {id(p): p for p in params}
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
-        with torch.random.fork_rng(devices=[]), hf_private.recording_init_functions(recorded.append):
-            owner._init_weights(module)
+        with torch.random.fork_rng(devices=devices), logical_shapes([(m, owner) for m in module.modules()]):
+            before = _rng_states(devices)
+            with hf_private.recording_init_functions(recorded.append):
+                owner._init_weights(module)
+            after = _rng_states(devices)
     except Exception:
         return None
-    order, seen = [], set()
+    params, seen = [], set()
     for t in recorded:
-        if id(t) in wanted and id(t) not in seen:
-            order.append(wanted[id(t)])
+        if isinstance(t, torch.nn.Parameter) and _needs_gather(t) and id(t) not in seen:
+            params.append(t)
             seen.add(id(t))
-    return order + [p for p in params if id(p) not in seen]
+    return InitTouches(params, any(not torch.equal(a, b) for a, b in zip(before, after)))
+
+
+def _rng_states(devices: list) -> list:
+    return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def _modules_with_missing_params(model) -> set[int]:
+    """ids of the modules that hold a missing param themselves or in a descendant: only their init can touch one."""
+    names = {name for name, p in model.named_parameters(remove_duplicate=False) if _needs_gather(p)}
+    prefixes = {".".join(n.split(".")[:i]) for n in names for i in range(n.count(".") + 1)}
+    return {id(m) for name, m in model.named_modules(remove_duplicate=False) if name in prefixes}
 
 
 def _plan_chunks(model, budget_bytes: int):
-    """Steps of (modules with owner, params to gather, param to init alone or None), in `smart_apply` order."""
+    """Steps of (modules with owner, params to gather, None or (the param to init alone, the module's others)), in
+    `smart_apply` order.
+
+    When everything missing fits the budget, one step gathers it all. Otherwise each module's step gathers what its
+    init touches, learned by a dry run: its own missing params, and its children's that it initialises again (GPT-2's
+    attention re-draws `c_proj.weight` after the Conv1D did; Mamba's mixer initialises `conv1d` and `dt_proj`).
+    """
+    order = hf_private.init_module_order(model)
+    todo = [(m, o) for m, o in order if not getattr(m, "_is_hf_initialized", False)]
+    everything, seen = [], set()
+    for module, _ in todo:
+        for p in module.parameters(recurse=False):
+            if _needs_gather(p) and id(p) not in seen:
+                everything.append(p)
+                seen.add(id(p))
+    if sum(_nbytes(p) for p in everything) <= budget_bytes:
+        return [(todo, everything, None)] if todo else []
+
+    holds_missing = _modules_with_missing_params(model)
     steps, modules, params, size, seen = [], [], [], 0, set()
 
     def flush():
@@ -75,24 +117,24 @@ def _plan_chunks(model, budget_bytes: int):
             steps.append((modules, params, None))
         modules, params, size = [], [], 0
 
-    for module, owner in hf_private.init_module_order(model):
-        if getattr(module, "_is_hf_initialized", False):
-            continue
-        needed = [p for p in module.parameters(recurse=False) if _needs_gather(p) and id(p) not in seen]
-        seen.update(id(p) for p in needed)
+    for module, owner in todo:
+        own = [p for p in module.parameters(recurse=False) if _needs_gather(p) and id(p) not in seen]
+        seen.update(id(p) for p in own)
+        touches = _init_touches(module, owner) if id(module) in holds_missing else None
+        needed = own + [p for p in (touches.params if touches else []) if all(p is not q for q in own)]
         needed_bytes = sum(_nbytes(p) for p in needed)
-        if needed_bytes > budget_bytes and len(needed) > 1:
-            order = _init_order(module, owner, needed)
-            if order is not None:  # one parameter at a time, in the order the module initialises them
-                flush()
-                for p in order:
-                    steps.append(([(module, owner)], [p], p))
-                module._is_hf_initialized = True
-                continue
+        if needed_bytes > budget_bytes and len(needed) > 1 and touches is not None and not touches.draws_outside:
+            # one parameter at a time, in the order the module initialises them: the same draws as all at once
+            flush()
+            ordered = touches.params + [p for p in needed if all(p is not q for q in touches.params)]
+            for p in ordered:
+                steps.append(([(module, owner)], [p], (p, ordered)))
+            module._is_hf_initialized = True
+            continue
         if params and size + needed_bytes > budget_bytes:
             flush()
         modules.append((module, owner))
-        params.extend(needed)
+        params.extend(p for p in needed if all(p is not q for q in params))
         size += needed_bytes
     flush()
     return steps
@@ -130,8 +172,8 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
                 stats.gathers.append(sum(_nbytes(p) for p in params))
             with gather, logical_shapes(modules):
                 if alone is not None:  # the module's other missing params are skipped by the guarded init
-                    module, owner = modules[0]
-                    others = [p for p in module.parameters(recurse=False) if p is not alone and _needs_gather(p)]
+                    (module, owner), (alone, group) = modules[0], alone
+                    others = [p for p in group if p is not alone]
                     for p in others:
                         p._is_hf_initialized = True
                     try:

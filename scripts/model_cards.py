@@ -175,8 +175,10 @@ def render() -> dict[str, str]:
     index += ["", f"## The family sweep ({len(families.SWEEP)} model types)", "",
               "Every causal-LM model type transformers 5.23 can build small from its own config class, saved with "
               f"`save_pretrained` and loaded bit-exact at world sizes "
-              f"{', '.join(map(str, families.SWEEP_WORLD_SIZES))}, and saved without a gather at world size 3 into "
-              "byte for byte the files transformers' own `save_pretrained` writes (`tests/test_families.py`):", "",
+              f"{', '.join(map(str, families.SWEEP_WORLD_SIZES))}; saved without a gather at world size 3 into "
+              "byte for byte the files transformers' own `save_pretrained` writes; and, with a layer and the head "
+              "missing from the checkpoint, initialised at world size 3 in 4 KiB chunks to the plain load's values "
+              "(`tests/test_families.py`):", "",
               ", ".join(f"`{t}`" for t in families.SWEEP), ""]
     if families.NOT_BUILT:
         index += ["Not in the sweep (their configs refuse small sizes): " +

@@ -1,14 +1,18 @@
 """The family sweep (tests/families.py): every listed model type loads bit- and dtype-exact at world sizes 2, 3 and 4,
-each world size one torchrun job over all families, and saves without a gather at world size 3 into the very files
-transformers' own save_pretrained writes. The model cards name exactly these families."""
+each world size one torchrun job over all families; saves without a gather at world size 3 into the very files
+transformers' own save_pretrained writes; and with its second layer and head missing from the checkpoint, initialises
+them at world size 3 to the plain load's values (same seed) through the byte-bounded chunks of `missing_init.py`.
+The model cards name exactly these families."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
+from tests.checkpoints import rewrite_checkpoint
 from tests.conftest import run_torchrun
 from tests.families import SWEEP, SWEEP_WORLD_SIZES, sweep_checkpoint
 
@@ -77,4 +81,49 @@ def test_every_family_in_the_sweep_saves_the_files_plain_save_pretrained_writes(
                   if n not in loaded or loaded[n].dtype != want.dtype or not torch.equal(loaded[n].detach(), want)]
         if differ:
             failures.append(f"{case['name']}: {len(differ)} tensors differ after loading the saved folder: {differ[:3]}")
+    assert not failures, "\n".join(failures)
+
+
+MISSING_BUDGET = 4096  # bytes: far below a layer, so modules are initialised in many chunks, and some param by param
+# tensors a plain load leaves as uninitialised memory when they are missing (the model's `_init_weights` never sets
+# them); ours come out as zeros, the same on every rank
+LEFT_UNINITIALISED = {"apertus": r"\.act_fn\.", "openai-gpt": r"\.(c_attn|c_proj|c_fc)\."}
+
+
+def _without_layer_1_and_head(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items()
+            if not re.search(r"(layers|h|blocks|layer)\.1\.", k) and k != "lm_head.weight"}
+
+
+def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_load(checkpoints, workdir):
+    from transformers import AutoModelForCausalLM
+
+    paths = {t: rewrite_checkpoint(path, os.path.join(workdir, "sweep_missing", t), _without_layer_1_and_head)
+             for t, path in checkpoints.items()}
+    cases = [{"name": t, "path": path, "dtype": "float32", "seed": 11,
+              "kwargs": {"missing_init_budget_bytes": MISSING_BUDGET, "allow_suspicious_missing_keys": True},
+              "out": os.path.join(workdir, f"sweep_missing_{t}.pt")} for t, path in paths.items()]
+    failures = []
+    for case, dump in zip(cases, run_torchrun(SAVE_WORLD_SIZE, cases, workdir, timeout=1500)):
+        got = dump["rank0"]
+        if "error" in got:
+            failures.append(f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}")
+            continue
+        torch.manual_seed(11)
+        plain = AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
+        reference = dict([*plain.named_parameters(remove_duplicate=False), *plain.named_buffers(remove_duplicate=False)])
+        if set(got["state"]) != set(reference):
+            failures.append(f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}")
+            continue
+        left = LEFT_UNINITIALISED.get(case["name"])
+
+        def as_expected(name, want):
+            actual = got["state"][name]
+            if left and ".1." in name and re.search(left, name):
+                return actual.dtype == want.dtype and bool((actual == 0).all())
+            return actual.dtype == want.dtype and torch.equal(actual, want.detach())
+
+        differ = [n for n, want in reference.items() if not as_expected(n, want)]
+        if differ:
+            failures.append(f"{case['name']}: {len(differ)} tensors differ, e.g. {differ[:3]}")
     assert not failures, "\n".join(failures)
