@@ -22,18 +22,20 @@ def checkpoints(workdir):
     return {t: sweep_checkpoint(workdir, t) for t in SWEEP}
 
 
-@pytest.mark.parametrize("world_size", SWEEP_WORLD_SIZES)
-def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, world_size):
+def compare_with_plain_loads(cases: list[dict], world_size: int, workdir: str, seed=None, as_expected=None) -> list:
+    """Run the cases in one torchrun job; each rank 0 state is compared with plain `from_pretrained` of the same
+    folder (after `torch.manual_seed(seed)` when given). `as_expected(case, name, ours, plain)` overrides the default
+    check (equal dtype and bits). Returns the failures, one line per family."""
     from transformers import AutoModelForCausalLM
 
-    cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_{t}_w{world_size}.pt")}
-             for t, path in checkpoints.items()]
     failures = []
     for case, dump in zip(cases, run_torchrun(world_size, cases, workdir, timeout=1500)):
         got = dump["rank0"]
         if "error" in got:
             failures.append(f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}")
             continue
+        if seed is not None:
+            torch.manual_seed(seed)
         plain = AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
         reference = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
                                                  *plain.named_buffers(remove_duplicate=False)]}
@@ -41,9 +43,18 @@ def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, w
             failures.append(f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}")
             continue
         differ = [n for n, want in reference.items()
-                  if got["state"][n].dtype != want.dtype or not torch.equal(got["state"][n], want)]
+                  if not (as_expected(case, n, got["state"][n], want) if as_expected else
+                          got["state"][n].dtype == want.dtype and torch.equal(got["state"][n], want))]
         if differ:
             failures.append(f"{case['name']}: {len(differ)} tensors differ, e.g. {differ[:3]}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", SWEEP_WORLD_SIZES)
+def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, world_size):
+    cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_{t}_w{world_size}.pt")}
+             for t, path in checkpoints.items()]
+    failures = compare_with_plain_loads(cases, world_size, workdir)
     assert not failures, "\n".join(failures)
 
 
@@ -96,34 +107,17 @@ def _without_layer_1_and_head(tensors: dict) -> dict:
 
 
 def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_load(checkpoints, workdir):
-    from transformers import AutoModelForCausalLM
-
     paths = {t: rewrite_checkpoint(path, os.path.join(workdir, "sweep_missing", t), _without_layer_1_and_head)
              for t, path in checkpoints.items()}
     cases = [{"name": t, "path": path, "dtype": "float32", "seed": 11,
               "kwargs": {"missing_init_budget_bytes": MISSING_BUDGET, "allow_suspicious_missing_keys": True},
               "out": os.path.join(workdir, f"sweep_missing_{t}.pt")} for t, path in paths.items()]
-    failures = []
-    for case, dump in zip(cases, run_torchrun(SAVE_WORLD_SIZE, cases, workdir, timeout=1500)):
-        got = dump["rank0"]
-        if "error" in got:
-            failures.append(f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}")
-            continue
-        torch.manual_seed(11)
-        plain = AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
-        reference = dict([*plain.named_parameters(remove_duplicate=False), *plain.named_buffers(remove_duplicate=False)])
-        if set(got["state"]) != set(reference):
-            failures.append(f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}")
-            continue
+
+    def as_expected(case, name, ours, plain):
         left = LEFT_UNINITIALISED.get(case["name"])
+        if left and ".1." in name and re.search(left, name):
+            return ours.dtype == plain.dtype and bool((ours == 0).all())
+        return ours.dtype == plain.dtype and torch.equal(ours, plain)
 
-        def as_expected(name, want):
-            actual = got["state"][name]
-            if left and ".1." in name and re.search(left, name):
-                return actual.dtype == want.dtype and bool((actual == 0).all())
-            return actual.dtype == want.dtype and torch.equal(actual, want.detach())
-
-        differ = [n for n, want in reference.items() if not as_expected(n, want)]
-        if differ:
-            failures.append(f"{case['name']}: {len(differ)} tensors differ, e.g. {differ[:3]}")
+    failures = compare_with_plain_loads(cases, SAVE_WORLD_SIZE, workdir, seed=11, as_expected=as_expected)
     assert not failures, "\n".join(failures)
