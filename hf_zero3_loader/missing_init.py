@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _transformers_private as hf_private
+from . import log
+from .errors import LoaderError
 
 DEFAULT_BUDGET_BYTES = 1 << 30
 
@@ -121,7 +123,14 @@ def _plan_chunks(model, budget_bytes: int):
         own = [p for p in module.parameters(recurse=False) if _needs_gather(p) and id(p) not in seen]
         seen.update(id(p) for p in own)
         touches = _init_touches(module, owner) if id(module) in holds_missing else None
-        needed = own + [p for p in (touches.params if touches else []) if all(p is not q for q in own)]
+        if touches is not None:
+            extra = touches.params
+        else:  # no dry run possible: whatever in its subtree is still missing, as transformers' inits touch no more
+            extra = [p for p in module.parameters() if _needs_gather(p)] if id(module) in holds_missing else []
+            if extra:
+                log.debug("missing-key init: no dry run of %s._init_weights(%s); gathering its subtree's %d missing "
+                          "params together", type(owner).__name__, type(module).__name__, len(extra))
+        needed = own + [p for p in extra if all(p is not q for q in own)]
         needed_bytes = sum(_nbytes(p) for p in needed)
         if needed_bytes > budget_bytes and len(needed) > 1 and touches is not None and not touches.draws_outside:
             # one parameter at a time, in the order the module initialises them: the same draws as all at once
@@ -160,6 +169,24 @@ def logical_shapes(modules):
             p.data = data
 
 
+@contextmanager
+def _explained_in_place_writes(model, module, owner):
+    """A loaded parameter stands in for itself with its logical shape but no data (`logical_shapes`); an init that
+    writes into it in place, outside transformers' guarded init functions, fails there. Say why, on every rank."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "written-to tensor refers to a single memory location" not in str(e):
+            raise
+        name = next((n for n, m in model.named_modules() if m is module), "?")
+        raise LoaderError(
+            f"{type(owner).__name__}._init_weights({name or 'the model'}: {type(module).__name__}) writes in place, "
+            "outside transformers' init functions, into a parameter the checkpoint loaded. A plain from_pretrained "
+            "changes that loaded value (for example Mamba with `rescale_prenorm_residual=True` divides every loaded "
+            "out_proj.weight on every load); hf_zero3_loader refuses to. Turn off the config option behind that "
+            "init.") from e
+
+
 def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None) -> InitStats:
     import deepspeed
 
@@ -177,11 +204,13 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
                     for p in others:
                         p._is_hf_initialized = True
                     try:
-                        owner._init_weights(module)
+                        with _explained_in_place_writes(model, module, owner):
+                            owner._init_weights(module)
                     finally:
                         for p in others:
                             del p._is_hf_initialized
                     continue
                 for module, owner in modules:
-                    owner._initialize_weights(module, is_custom_code)
+                    with _explained_in_place_writes(model, module, owner):
+                        owner._initialize_weights(module, is_custom_code)
     return stats

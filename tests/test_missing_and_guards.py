@@ -56,7 +56,16 @@ def paths(workdir):
                             model_class=AutoModelForImageTextToText),
             d("qwen3_vl_moe"), _transpose_experts),
         "qwen_broken": rewrite_checkpoint(qwen, d("qwen_broken"), _mixtral_names),
+        "mamba_rescale": make_checkpoint(d("mamba_rescale"), "mamba", config=_mamba_rescaling_loaded_weights()),
     }
+
+
+def _mamba_rescaling_loaded_weights():
+    from tests.families import small_config
+
+    config = small_config("mamba")
+    config.rescale_prenorm_residual = True  # its init divides out_proj.weight in place, loaded or not
+    return config
 
 
 CASES = {
@@ -73,6 +82,7 @@ CASES = {
     "broken_conversion": ("qwen_broken", "AutoModelForCausalLM", "float32", {}, 0),
     "broken_conversion_opt_out": ("qwen_broken", "AutoModelForCausalLM", "float32",
                                   {"allow_suspicious_missing_keys": True}, 3),
+    "init_writes_loaded_param": ("mamba_rescale", "AutoModelForCausalLM", "float32", {}, 0),
 }
 PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys", "keep_in_fp32"}
 
@@ -162,6 +172,15 @@ def test_broken_conversion_is_an_error_on_every_rank(results):
     assert "model.layers.0.mlp.experts.gate_up_proj" in error["message"]
     assert "experts.0.w1.weight" in error["message"]
     assert "allow_suspicious_missing_keys" in error["message"]
+
+
+def test_an_init_that_rewrites_loaded_weights_in_place_is_refused_on_every_rank(results):
+    """transformers' plain load divides Mamba's loaded out_proj.weight when `rescale_prenorm_residual=True`: a
+    silently changed checkpoint value, which ours refuses with the reason instead of copying."""
+    error = _same_error_on_every_rank(results["init_writes_loaded_param"])
+    assert "LoaderError" in error["mro"]
+    assert "MambaModel._init_weights(backbone.layers.0.mixer: MambaMixer)" in error["message"]
+    assert "rescale_prenorm_residual" in error["message"]
 
 
 def test_keep_in_fp32_default_loads_engine_dtype_and_trains(results, paths):
