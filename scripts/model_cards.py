@@ -123,7 +123,7 @@ def verification() -> dict:
                     "load; bytes read per rank = its exact share; no collective during the load", "tests/test_fidelity.py")
     cases_by_path = {"qwen": "qwen3_moe", "llama": "llama", "qwen_missing_experts": "qwen3_moe",
                      "llama_tied_but_different": "llama", "ernie": "ernie4_5_moe", "qwen3_vl_moe": "qwen3_vl_moe",
-                     "qwen_broken": "qwen3_moe"}
+                     "qwen_broken": "qwen3_moe", "mamba_rescale": "mamba"}
     for name, (path, *_rest) in test_missing_and_guards.CASES.items():
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")
