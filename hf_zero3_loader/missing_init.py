@@ -72,16 +72,18 @@ def _init_touches(module, owner) -> InitTouches | None:
             after = _rng_states(devices)
     except Exception:
         return None
-    params, seen = [], set()
-    for t in recorded:
-        if isinstance(t, torch.nn.Parameter) and _needs_gather(t) and id(t) not in seen:
-            params.append(t)
-            seen.add(id(t))
+    params = _distinct([t for t in recorded if isinstance(t, torch.nn.Parameter) and _needs_gather(t)])
     return InitTouches(params, any(not torch.equal(a, b) for a, b in zip(before, after)))
 
 
 def _rng_states(devices: list) -> list:
     return [torch.random.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+
+
+def _distinct(params: list) -> list:
+    """`params` without repeats (by identity), in order."""
+    seen: set[int] = set()
+    return [p for p in params if not (id(p) in seen or seen.add(id(p)))]
 
 
 def _modules_with_missing_params(model) -> set[int]:
@@ -111,13 +113,13 @@ def _plan_chunks(model, budget_bytes: int):
         return [(todo, everything, None)] if todo else []
 
     holds_missing = _modules_with_missing_params(model)
-    steps, modules, params, size, seen = [], [], [], 0, set()
+    steps, modules, params, in_chunk, size, seen = [], [], [], set(), 0, set()
 
     def flush():
-        nonlocal modules, params, size
+        nonlocal modules, params, in_chunk, size
         if modules:
             steps.append((modules, params, None))
-        modules, params, size = [], [], 0
+        modules, params, in_chunk, size = [], [], set(), 0
 
     for module, owner in todo:
         own = [p for p in module.parameters(recurse=False) if _needs_gather(p) and id(p) not in seen]
@@ -130,12 +132,12 @@ def _plan_chunks(model, budget_bytes: int):
             if extra:
                 log.debug("missing-key init: no dry run of %s._init_weights(%s); gathering its subtree's %d missing "
                           "params together", type(owner).__name__, type(module).__name__, len(extra))
-        needed = own + [p for p in extra if all(p is not q for q in own)]
+        needed = _distinct(own + extra)
         needed_bytes = sum(_nbytes(p) for p in needed)
         if needed_bytes > budget_bytes and len(needed) > 1 and touches is not None and not touches.draws_outside:
             # one parameter at a time, in the order the module initialises them: the same draws as all at once
             flush()
-            ordered = touches.params + [p for p in needed if all(p is not q for q in touches.params)]
+            ordered = _distinct(touches.params + needed)
             for p in ordered:
                 steps.append(([(module, owner)], [p], (p, ordered)))
             module._is_hf_initialized = True
@@ -143,8 +145,11 @@ def _plan_chunks(model, budget_bytes: int):
         if params and size + needed_bytes > budget_bytes:
             flush()
         modules.append((module, owner))
-        params.extend(p for p in needed if all(p is not q for q in params))
-        size += needed_bytes
+        for p in needed:
+            if id(p) not in in_chunk:
+                in_chunk.add(id(p))
+                params.append(p)
+                size += _nbytes(p)
     flush()
     return steps
 
