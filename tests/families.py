@@ -52,6 +52,90 @@ TEXT_LISTS_FOR = {"llama4": ("no_rope_layers", "moe_layers")}
 NOT_BUILT: dict[str, str] = {}  # causal-LM model types that cannot be built small, with the reason
 
 
+# The other heads people fine-tune under ZeRO-3: vision-language models, encoder-decoders, sequence classifiers
+# (reward models). Every model type of these auto classes that builds small from its own config, with its
+# sub-configs (vision, audio, encoder, decoder) shrunk as well, to under 3M parameters.
+HEAD_SWEEP = {
+    "AutoModelForImageTextToText": (
+        "aria", "aya_vision", "blip", "blip-2", "cosmos3_omni", "deepseek_vl", "exaone4_5", "fuyu", "gemma3", "git",
+        "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "hyperclovax_vision_v2", "idefics",
+        "idefics2", "idefics3", "instructblip", "instructblipvideo", "internvl", "kimi_k25", "lfm2_vl",
+        "lighton_ocr", "llava", "llava_next", "llava_next_video", "llava_onevision", "minicpm_ocr", "minicpmv4_6",
+        "minicpmv4_7", "mistral3", "mistral4", "ovis2", "paddleocr_vl", "paligemma", "pi0", "pix2struct",
+        "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe",
+        "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm", "udop", "video_llama_3", "video_llava",
+        "vipllava"),
+    "AutoModelForSeq2SeqLM": (
+        "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "glmasr", "led", "longt5",
+        "m2m_100", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo", "mvp", "nllb-moe", "pegasus",
+        "pegasus_x", "plbart", "prophetnet", "qwen2_audio", "seamless_m4t", "seamless_m4t_v2", "switch_transformers",
+        "t5", "umt5", "voxtral", "voxtral_realtime"),
+    "AutoModelForSequenceClassification": (
+        "albert", "arcee", "axk1", "bart", "bert", "big_bird", "bigbird_pegasus", "biogpt", "bloom", "camembert",
+        "canine", "convbert", "data2vec-text", "deberta", "deberta-v2", "deepseek_v2", "deepseek_v3", "doge",
+        "electra", "ernie", "exaone4", "falcon", "fnet", "gemma", "gemma2", "gemma3", "gemma3_text", "gpt_neox",
+        "gpt_oss", "gte", "helium", "ibert", "jamba", "jetmoe", "jina_embeddings_v3", "layoutlm", "layoutlmv3",
+        "lilt", "llama", "longformer", "markuplm", "mbart", "megatron-bert", "minicpm3", "minimax", "ministral3",
+        "mistral", "mistral4", "mixtral", "mobilebert", "mpnet", "mpt", "mra", "mt5", "mvp", "nomic_bert",
+        "nystromformer", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phimoe", "plbart", "qwen2", "qwen2_moe",
+        "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rembert", "roberta", "roberta-prelayernorm",
+        "roformer", "seed_oss", "stablelm", "starcoder2", "t5", "tapas", "ultrabert", "ultravbert", "umt5",
+        "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
+}
+HEAD_SWEEP_WORLD_SIZE = 3
+# sizes for sub-configs (vision towers, audio encoders, encoder-decoder stacks), on top of SMALL
+SMALL_TOWERS = dict(depth=2, embed_dim=32, num_heads=2, out_hidden_size=32, image_size=32, patch_size=8, num_layers=2,
+                    d_model=32, d_ff=48, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                    decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, d_kv=16, num_decoder_layers=2,
+                    projection_dim=32, vision_output_dim=32, num_global_layers=1, intermediate_layers_indices=[0],
+                    mm_hidden_size=32)
+# per-layer lists that must be rebuilt for 2 layers
+PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "moe_layers", "mlp_only_layers", "fullatt_block_indexes",
+                   "deepstack_visual_indexes", "vision_feature_layer")
+
+
+def _shrunk(values: dict) -> dict:
+    out = dict(values)
+    for key, value in values.items():
+        if isinstance(value, dict) and key.endswith("_config") and "model_type" in value:
+            out[key] = _shrunk(value)
+        elif key == "tie_word_embeddings":
+            out[key] = False
+        elif isinstance(value, bool):
+            continue
+        elif key in SMALL and isinstance(value, int):
+            out[key] = SMALL[key]
+        elif key in SMALL_TOWERS and isinstance(value, (int, list)):
+            out[key] = SMALL_TOWERS[key]
+    for key in PER_LAYER_LISTS:
+        out.pop(key, None)
+    return out
+
+
+def small_head_config(model_type: str, model_class: str):
+    from transformers import AutoConfig
+
+    values = _shrunk(AutoConfig.for_model(model_type).to_dict())
+    for key in ("model_type", "transformers_version", "architectures", "_name_or_path"):
+        values.pop(key, None)
+    config = AutoConfig.for_model(model_type, **values)
+    if model_class == "AutoModelForSequenceClassification":
+        config.num_labels = 3
+        if getattr(config, "pad_token_id", None) is None:  # batched classification needs one
+            config.pad_token_id = 0
+    return config
+
+
+def head_checkpoint(workdir: str, model_class: str, model_type: str) -> str:
+    import transformers
+
+    from tests.checkpoints import make_checkpoint
+
+    return make_checkpoint(os.path.join(workdir, "heads", model_class, model_type), model_type,
+                           config=small_head_config(model_type, model_class),
+                           model_class=getattr(transformers, model_class))
+
+
 def small_config(model_type: str):
     from transformers import AutoConfig
 
