@@ -61,13 +61,18 @@ def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, w
     assert not failures, "\n".join(failures)
 
 
+PLAIN_LOAD_MISSES_KEYS = {"shieldgemma2"}  # transformers 5.23 does not load its own save of these back whole
+
+
 @pytest.mark.parametrize("model_class", sorted(HEAD_SWEEP))
 def test_other_heads_equal_the_plain_load(workdir, model_class):
     """Vision-language models, encoder-decoders and sequence classifiers at W=3, each through its own auto class.
     Seeded like the plain load: a checkpoint transformers itself cannot load back whole (shieldgemma2 saves its
-    language model under a prefix its loader does not map) gets the same random init for what is missing."""
+    language model under a prefix its loader does not map) is refused by default (tests/test_missing_and_guards.py);
+    with the opt-out it gets the same random init as the plain load for what is missing."""
     cases = [{"name": f"{model_class}/{t}", "path": head_checkpoint(workdir, model_class, t), "dtype": "float32",
-              "model_class": model_class, "seed": 0, "out": os.path.join(workdir, f"heads_{model_class}_{t}.pt")}
+              "model_class": model_class, "seed": 0, "out": os.path.join(workdir, f"heads_{model_class}_{t}.pt"),
+              "kwargs": {"allow_suspicious_missing_keys": True} if t in PLAIN_LOAD_MISSES_KEYS else {}}
              for t in HEAD_SWEEP[model_class]]
     failures = compare_with_plain_loads(cases, HEAD_SWEEP_WORLD_SIZE, workdir, seed=0)
     assert not failures, "\n".join(failures)

@@ -15,6 +15,7 @@ import torch
 
 from tests.checkpoints import (ernie_moe_config, make_checkpoint, qwen3_vl_moe_config, rewrite_checkpoint)
 from tests.conftest import run_torchrun
+from tests.families import head_checkpoint
 
 BUDGET = 2048  # bytes: far below one expert tensor, so chunking is exercised
 
@@ -57,6 +58,8 @@ def paths(workdir):
             d("qwen3_vl_moe"), _transpose_experts),
         "qwen_broken": rewrite_checkpoint(qwen, d("qwen_broken"), _mixtral_names),
         "mamba_rescale": make_checkpoint(d("mamba_rescale"), "mamba", config=_mamba_rescaling_loaded_weights()),
+        # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
+        "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
     }
 
 
@@ -83,6 +86,7 @@ CASES = {
     "broken_conversion_opt_out": ("qwen_broken", "AutoModelForCausalLM", "float32",
                                   {"allow_suspicious_missing_keys": True}, 3),
     "init_writes_loaded_param": ("mamba_rescale", "AutoModelForCausalLM", "float32", {}, 0),
+    "prefix_not_mapped": ("shieldgemma2", "AutoModelForImageTextToText", "float32", {}, 0),
 }
 PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys", "keep_in_fp32"}
 
@@ -171,6 +175,16 @@ def test_broken_conversion_is_an_error_on_every_rank(results):
     assert "ConversionMismatchError" in error["mro"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in error["message"]
     assert "experts.0.w1.weight" in error["message"]
+    assert "allow_suspicious_missing_keys" in error["message"]
+
+
+def test_a_checkpoint_prefix_the_loader_does_not_map_is_an_error_on_every_rank(results):
+    """shieldgemma2 as transformers saves it: a plain load initialises the whole language model at random (with a
+    MISSING/UNEXPECTED table on one rank's log); ours names the keys that look alike and refuses."""
+    error = _same_error_on_every_rank(results["prefix_not_mapped"])
+    assert "ConversionMismatchError" in error["mro"]
+    assert "model.language_model.embed_tokens.weight <- unexpected: model.model.language_model.model.embed_tokens.weight" \
+        in error["message"]
     assert "allow_suspicious_missing_keys" in error["message"]
 
 

@@ -380,13 +380,20 @@ def check_plan_is_exact(plan: LoadPlan) -> None:
 
 
 def suspicious_missing_keys(plan: LoadPlan) -> list[tuple[str, list[str]]]:
-    """Missing parameters next to unexpected checkpoint keys from the same module: a conversion that broke.
+    """Missing parameters next to unexpected checkpoint keys that look like them: a conversion that broke.
 
-    A missing key and an unexpected key "look alike" when they share every module component but the last two
-    of the missing key (and at least two): `layers.0.mlp.experts.gate_up_proj` missing beside
-    `layers.0.mlp.experts.0.w1.weight` unexpected. A new head (`score.weight` beside `lm_head.weight`) does not.
+    A missing key and an unexpected key "look alike" when
+    - they share every module component but the last two of the missing key (and at least two):
+      `layers.0.mlp.experts.gate_up_proj` missing beside `layers.0.mlp.experts.0.w1.weight` unexpected; or
+    - they are the same key once every `model` wrapper component is dropped: `model.language_model.norm.weight`
+      missing beside `model.model.language_model.model.norm.weight` (a prefix the loader does not map; shieldgemma2
+      as transformers 5.23 saves it).
+    A new head (`score.weight` beside `lm_head.weight`) does not.
     """
     unexpected = [u.split(".") for u in sorted(plan.unexpected_keys)]
+    unwrapped: dict[tuple, list[str]] = {}
+    for u in unexpected:
+        unwrapped.setdefault(_without_wrappers(u), []).append(".".join(u))
     found = []
     for key in sorted(plan.missing_keys):
         if plan.tensors[key].kind != "param":
@@ -394,6 +401,11 @@ def suspicious_missing_keys(plan: LoadPlan) -> list[tuple[str, list[str]]]:
         parts = key.split(".")
         need = max(2, len(parts) - 2)
         alike = [".".join(u) for u in unexpected if len(u) >= need and u[:need] == parts[:need]]
+        alike += [u for u in unwrapped.get(_without_wrappers(parts), []) if u not in alike]
         if alike:
             found.append((key, alike))
     return found
+
+
+def _without_wrappers(parts: list[str]) -> tuple:
+    return tuple(p for p in parts if p != "model")
