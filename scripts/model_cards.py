@@ -5,8 +5,9 @@
 
 Nothing a card says about verification is typed by hand: world sizes, dtypes, expert-parallel sizes and streaming
 come from the tests' own definitions (tests/test_fidelity.py CHECKPOINTS, tests/test_expert_parallel.py RUNS and
-TRAINED, tests/test_missing_and_guards.py CASES, tests/test_streaming.py STREAMED, tests/families.py SWEEP), so a
-card can only name what those tests run, and `tests/test_model_cards.py` fails when the committed cards drift.
+TRAINED, tests/test_missing_and_guards.py CASES, tests/test_streaming.py STREAMED, tests/families.py SWEEP and
+HEAD_SWEEP), so a card can only name what those tests run, and `tests/test_model_cards.py` fails when the committed
+cards drift.
 The registry below holds what tests cannot: how each family's checkpoint is laid out and converted.
 """
 
@@ -123,7 +124,8 @@ def verification() -> dict:
                     "load; bytes read per rank = its exact share; no collective during the load", "tests/test_fidelity.py")
     cases_by_path = {"qwen": "qwen3_moe", "llama": "llama", "qwen_missing_experts": "qwen3_moe",
                      "llama_tied_but_different": "llama", "ernie": "ernie4_5_moe", "qwen3_vl_moe": "qwen3_vl_moe",
-                     "qwen_broken": "qwen3_moe", "mamba_rescale": "mamba"}
+                     "qwen_broken": "qwen3_moe", "mamba_rescale": "mamba",
+                     "shieldgemma2": "shieldgemma2"}
     for name, (path, *_rest) in test_missing_and_guards.CASES.items():
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")
@@ -183,6 +185,14 @@ def render() -> dict[str, str]:
     if families.NOT_BUILT:
         index += ["Not in the sweep (their configs refuse small sizes): " +
                   "; ".join(f"`{t}` ({why})" for t, why in families.NOT_BUILT.items()) + ".", ""]
+    heads = sum(len(types) for types in families.HEAD_SWEEP.values())
+    index += [f"## The head sweep ({heads} model types)", "",
+              "Every model type of these auto classes that transformers 5.23 builds small from its own config (vision, "
+              "audio, encoder and decoder sub-configs shrunk too), saved with `save_pretrained` and loaded through its "
+              f"own auto class bit-exact at world size {families.HEAD_SWEEP_WORLD_SIZE} (`tests/test_families.py`):", ""]
+    for model_class, types in sorted(families.HEAD_SWEEP.items()):
+        index += [f"- `{model_class}` ({len(types)}): " + ", ".join(f"`{t}`" for t in types)]
+    index += [""]
     files["README.md"] = "\n".join(index)
     return files
 
