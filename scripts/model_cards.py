@@ -189,7 +189,8 @@ def render() -> dict[str, str]:
     index += [f"## The head sweep ({heads} model types)", "",
               "Every model type of these auto classes that transformers 5.23 builds small from its own config (vision, "
               "audio, encoder and decoder sub-configs shrunk too), saved with `save_pretrained` and loaded through its "
-              f"own auto class bit-exact at world size {families.HEAD_SWEEP_WORLD_SIZE} (`tests/test_families.py`):", ""]
+              f"own auto class bit-exact at world size {families.HEAD_SWEEP_WORLD_SIZE}, then saved without a gather into "
+              "byte for byte the files transformers' own `save_pretrained` writes (`tests/test_families.py`):", ""]
     for model_class, types in sorted(families.HEAD_SWEEP.items()):
         index += [f"- `{model_class}` ({len(types)}): " + ", ".join(f"`{t}`" for t in types)]
     index += [""]

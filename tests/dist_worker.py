@@ -297,12 +297,10 @@ def save_case(case: dict, target, model, result: dict) -> None:
 
 def save_reference(model, state: dict, folder: str, kwargs: dict) -> None:
     """What `save_pretrained` writes for the gathered model: a plain (unpartitioned) model holding `state`."""
-    from transformers import AutoModelForCausalLM
-
     from hf_zero3_loader import _transformers_private as hf_private
 
     with hf_private.hidden_hf_zero3(), torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(model.config)
+        plain = type(model)._from_config(model.config)  # the loaded class: causal LM, VLM, seq2seq, classifier
     own = plain.state_dict()
     plain.load_state_dict({k: v for k, v in state.items() if k in own}, assign=True, strict=True)
     plain.tie_weights()

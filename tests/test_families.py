@@ -14,6 +14,7 @@ import torch
 
 from tests.checkpoints import rewrite_checkpoint
 from tests.conftest import run_torchrun
+from tests.test_saving import same_files
 from tests.families import (HEAD_SWEEP, HEAD_SWEEP_WORLD_SIZE, SWEEP, SWEEP_WORLD_SIZES, head_checkpoint,
                             sweep_checkpoint)
 
@@ -26,31 +27,59 @@ def checkpoints(workdir):
 def compare_with_plain_loads(cases: list[dict], world_size: int, workdir: str, seed=None, as_expected=None) -> list:
     """Run the cases in one torchrun job; each rank 0 state is compared with plain `from_pretrained` of the same
     folder (after `torch.manual_seed(seed)` when given). `as_expected(case, name, ours, plain)` overrides the default
-    check (equal dtype and bits). Plain loads use the case's `model_class` (default AutoModelForCausalLM). Returns
-    the failures, one line per family."""
+    check (equal dtype and bits). Returns the failures, one line per family."""
+    dumps = run_torchrun(world_size, cases, workdir, timeout=1500)
+    return [f for case, dump in zip(cases, dumps) if (f := load_failure(case, dump, seed, as_expected))]
+
+
+def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | None:
+    """Why rank 0's gathered state differs from a plain load of the case's folder through the case's `model_class`
+    (default AutoModelForCausalLM); None when it does not."""
     import transformers
 
-    failures = []
-    for case, dump in zip(cases, run_torchrun(world_size, cases, workdir, timeout=1500)):
-        got = dump["rank0"]
-        if "error" in got:
-            failures.append(f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}")
-            continue
-        if seed is not None:
-            torch.manual_seed(seed)
-        model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
-        plain = model_class.from_pretrained(case["path"], dtype=torch.float32)
-        reference = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
-                                                 *plain.named_buffers(remove_duplicate=False)]}
-        if set(got["state"]) != set(reference):
-            failures.append(f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}")
-            continue
-        differ = [n for n, want in reference.items()
-                  if not (as_expected(case, n, got["state"][n], want) if as_expected else
-                          got["state"][n].dtype == want.dtype and torch.equal(got["state"][n], want))]
-        if differ:
-            failures.append(f"{case['name']}: {len(differ)} tensors differ, e.g. {differ[:3]}")
-    return failures
+    got = dump["rank0"]
+    if "error" in got:
+        return f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}"
+    if seed is not None:
+        torch.manual_seed(seed)
+    model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
+    plain = model_class.from_pretrained(case["path"], dtype=torch.float32)
+    reference = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
+                                             *plain.named_buffers(remove_duplicate=False)]}
+    if set(got["state"]) != set(reference):
+        return f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}"
+    differ = [n for n, want in reference.items()
+              if not (as_expected(case, n, got["state"][n], want) if as_expected else
+                      got["state"][n].dtype == want.dtype and torch.equal(got["state"][n], want))]
+    return f"{case['name']}: {len(differ)} tensors differ, e.g. {differ[:3]}" if differ else None
+
+
+def save_failure(case: dict, dump: dict, loads_back_whole: bool = True) -> str | None:
+    """Why the case's save (hf_zero3_loader.save_pretrained, each rank writing its share) is not byte for byte what
+    transformers' save_pretrained writes for the gathered model, or does not load back to the saved values; None
+    when it is and does. `loads_back_whole=False` for a model transformers cannot load back from its own save."""
+    import transformers
+
+    errors = [r.get("error") or r.get("save_error") for r in dump["ranks"] if "error" in r or "save_error" in r]
+    if errors:
+        return f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}"
+    folder = case["save"]["dir"]
+    try:
+        same_files(folder, folder + ".reference")  # transformers' save_pretrained of the gathered model
+    except AssertionError as e:
+        return f"{case['name']}: {e}"
+    if not loads_back_whole:
+        return None
+    model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
+    model, info = model_class.from_pretrained(folder, output_loading_info=True)
+    if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        return f"{case['name']}: loading the saved folder reports {info}"
+    loaded = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    differ = [n for n, want in dump["rank0"]["trained_state"].items()
+              if n not in loaded or loaded[n].dtype != want.dtype or not torch.equal(loaded[n].detach(), want)]
+    if differ:
+        return f"{case['name']}: {len(differ)} tensors differ after loading the saved folder: {differ[:3]}"
+    return None
 
 
 @pytest.mark.parametrize("world_size", SWEEP_WORLD_SIZES)
@@ -61,54 +90,39 @@ def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, w
     assert not failures, "\n".join(failures)
 
 
-PLAIN_LOAD_MISSES_KEYS = {"shieldgemma2"}  # transformers 5.23 does not load its own save of these back whole
-
-
-@pytest.mark.parametrize("model_class", sorted(HEAD_SWEEP))
-def test_other_heads_equal_the_plain_load(workdir, model_class):
-    """Vision-language models, encoder-decoders and sequence classifiers at W=3, each through its own auto class.
-    Seeded like the plain load: a checkpoint transformers itself cannot load back whole (shieldgemma2 saves its
-    language model under a prefix its loader does not map) is refused by default (tests/test_missing_and_guards.py);
-    with the opt-out it gets the same random init as the plain load for what is missing."""
-    cases = [{"name": f"{model_class}/{t}", "path": head_checkpoint(workdir, model_class, t), "dtype": "float32",
-              "model_class": model_class, "seed": 0, "out": os.path.join(workdir, f"heads_{model_class}_{t}.pt"),
-              "kwargs": {"allow_suspicious_missing_keys": True} if t in PLAIN_LOAD_MISSES_KEYS else {}}
-             for t in HEAD_SWEEP[model_class]]
-    failures = compare_with_plain_loads(cases, HEAD_SWEEP_WORLD_SIZE, workdir, seed=0)
-    assert not failures, "\n".join(failures)
-
-
 SAVE_WORLD_SIZE = 3
 
 
 def test_every_family_in_the_sweep_saves_the_files_plain_save_pretrained_writes(checkpoints, workdir):
     """Loaded at W=3, saved with hf_zero3_loader.save_pretrained (each rank writes its share): the folder is byte for
     byte what transformers' save_pretrained writes for the gathered model, and loads back with nothing missing."""
-    from tests.test_saving import plain_load, same_files
-
     cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_save_{t}.pt"),
               "save": {"dir": os.path.join(workdir, "sweep_saved", t), "kwargs": {}, "reference": True}}
              for t, path in checkpoints.items()]
-    failures = []
-    for case, dump in zip(cases, run_torchrun(SAVE_WORLD_SIZE, cases, workdir, timeout=1500)):
-        errors = [r.get("error") or r.get("save_error") for r in dump["ranks"] if "error" in r or "save_error" in r]
-        if errors:
-            failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
-            continue
-        folder = case["save"]["dir"]
-        try:
-            same_files(folder, folder + ".reference")  # transformers' save_pretrained of the gathered model
-        except AssertionError as e:
-            failures.append(f"{case['name']}: {e}")
-            continue
-        model, info = plain_load(folder)
-        if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
-            failures.append(f"{case['name']}: loading the saved folder reports {info}")
-        loaded = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
-        differ = [n for n, want in dump["rank0"]["trained_state"].items()
-                  if n not in loaded or loaded[n].dtype != want.dtype or not torch.equal(loaded[n].detach(), want)]
-        if differ:
-            failures.append(f"{case['name']}: {len(differ)} tensors differ after loading the saved folder: {differ[:3]}")
+    dumps = run_torchrun(SAVE_WORLD_SIZE, cases, workdir, timeout=1500)
+    failures = [f for case, dump in zip(cases, dumps) if (f := save_failure(case, dump))]
+    assert not failures, "\n".join(failures)
+
+
+PLAIN_LOAD_MISSES_KEYS = {"shieldgemma2"}  # transformers 5.23 does not load its own save of these back whole
+
+
+@pytest.mark.parametrize("model_class", sorted(HEAD_SWEEP))
+def test_other_heads_load_and_save_like_plain_transformers(workdir, model_class):
+    """Vision-language models, encoder-decoders and sequence classifiers at W=3, each through its own auto class:
+    loaded bit-exact, then saved without a gather into byte for byte the files transformers' save_pretrained writes.
+    Seeded like the plain load: a checkpoint transformers itself cannot load back whole (shieldgemma2 saves its
+    language model under a prefix its loader does not map) is refused by default (tests/test_missing_and_guards.py);
+    with the opt-out it gets the same random init as the plain load for what is missing."""
+    cases = [{"name": f"{model_class}/{t}", "path": head_checkpoint(workdir, model_class, t), "dtype": "float32",
+              "model_class": model_class, "seed": 0, "out": os.path.join(workdir, f"heads_{model_class}_{t}.pt"),
+              "kwargs": {"allow_suspicious_missing_keys": True} if t in PLAIN_LOAD_MISSES_KEYS else {},
+              "save": {"dir": os.path.join(workdir, "heads_saved", model_class, t), "kwargs": {}, "reference": True}}
+             for t in HEAD_SWEEP[model_class]]
+    dumps = run_torchrun(HEAD_SWEEP_WORLD_SIZE, cases, workdir, timeout=1500)
+    failures = [f for t, case, dump in zip(HEAD_SWEEP[model_class], cases, dumps)
+                if (f := load_failure(case, dump, seed=0)
+                    or save_failure(case, dump, loads_back_whole=t not in PLAIN_LOAD_MISSES_KEYS))]
     assert not failures, "\n".join(failures)
 
 

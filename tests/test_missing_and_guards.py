@@ -183,8 +183,9 @@ def test_a_checkpoint_prefix_the_loader_does_not_map_is_an_error_on_every_rank(r
     MISSING/UNEXPECTED table on one rank's log); ours names the keys that look alike and refuses."""
     error = _same_error_on_every_rank(results["prefix_not_mapped"])
     assert "ConversionMismatchError" in error["mro"]
-    assert "model.language_model.embed_tokens.weight <- unexpected: model.model.language_model.model.embed_tokens.weight" \
-        in error["message"]
+    missing = "model.language_model.embed_tokens.weight"
+    unexpected = "model.model.language_model.model.embed_tokens.weight"
+    assert f"{missing} <- unexpected: {unexpected}" in error["message"]
     assert "allow_suspicious_missing_keys" in error["message"]
 
 
