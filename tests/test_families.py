@@ -14,9 +14,9 @@ import torch
 
 from tests.checkpoints import rewrite_checkpoint
 from tests.conftest import run_torchrun
-from tests.test_saving import same_files
 from tests.families import (HEAD_SWEEP, HEAD_SWEEP_WORLD_SIZE, SWEEP, SWEEP_WORLD_SIZES, head_checkpoint,
                             sweep_checkpoint)
+from tests.test_saving import same_files
 
 
 @pytest.fixture(scope="module")
