@@ -94,7 +94,7 @@ def table(results: list[dict]) -> str:
             " collective MiB | read MiB |",
             "|---|---|---|---|" + ("---|" if device else "") + "---|---|"]
     for r in results:
-        coll = "-" if r["variant"] == "floor" else f"{r['collective_bytes'] / MiB:.1f}"
+        coll = "-" if r["variant"].startswith("floor") else f"{r['collective_bytes'] / MiB:.1f}"
         dev = (f" {r['device_peak_growth'] / MiB:.1f} |" if r.get("device_peak_growth") is not None else " - |") if device else ""
         rows.append(f"| {r['variant']} | {r['rank']} | {r['seconds']:.3f} | {r['rss_growth'] / MiB:.1f} |{dev} {coll} | "
                     f"{read_mib(r):.1f} |")

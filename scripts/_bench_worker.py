@@ -191,8 +191,11 @@ def initialize(model, config: dict):
     return engine
 
 
-def read_spans(spans: list, threads: int) -> torch.Tensor:
-    """The floor: positional reads of exactly these (file, offset, nbytes) spans into one fresh buffer."""
+def read_spans(spans: list, threads: int, populate: bool = False) -> torch.Tensor:
+    """The floor: positional reads of exactly these (file, offset, nbytes) spans into one fresh buffer. With
+    `populate`, each piece's pages are mapped in one call first, as the loader does (reader.populate_for_write)."""
+    from hf_zero3_loader.reader import populate_for_write
+
     total = sum(n for _, _, n in spans)
     buf = torch.empty(total, dtype=torch.uint8)
     view = buf.numpy()
@@ -207,6 +210,8 @@ def read_spans(spans: list, threads: int) -> torch.Tensor:
     def one(piece):
         fd, off, dst, n = piece
         done = 0
+        if populate:
+            populate_for_write(buf[dst:dst + n])
         while done < n:
             got = os.preadv(fd, [view[dst + done:dst + n]], off + done)
             if got <= 0:
@@ -309,7 +314,8 @@ def compare(meta: dict, tensors: dict, other: str) -> dict:
 # -- main ------------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", choices=("ours", "upstream", "floor", "stream", "plain"), required=True)
+    ap.add_argument("--variant", required=True,
+                    choices=("ours", "upstream", "floor", "stream", "plain", "ours_faulting", "floor_populated"))
     ap.add_argument("--path", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--spans-out")
@@ -325,6 +331,8 @@ def main() -> None:
                     help="a quantized checkpoint: both variants pass FineGrainedFP8Config(dequantize=True)")
     args = ap.parse_args()
     config = ds_config(args.ep_size)
+    if args.variant == "ours_faulting":  # ours with the reads faulting pages in (no populate), for the A/B rows
+        os.environ["HF_ZERO3_LOADER_PREFAULT"] = "0"
     if args.dequantize:
         from transformers import FineGrainedFP8Config
 
@@ -357,7 +365,7 @@ def main() -> None:
         keep_alive = HfDeepSpeedConfig(config)  # noqa: F841  (transformers holds only a weakref)
         _deepspeed_private.allow_registry_get_default()  # AutoEP presets on a transformers 5.23 model need it
     spans = None
-    if args.variant == "floor":
+    if args.variant.startswith("floor"):
         with open(args.spans_in) as f:
             spans = json.load(f)[str(rank)]
 
@@ -371,7 +379,7 @@ def main() -> None:
         device_base = torch.cuda.memory_allocated()
     with RssSampler() as rss:
         start = time.perf_counter()
-        if args.variant == "floor":
+        if args.variant.startswith("floor"):
             # one pass only: a second pass would land in memory the first just freed, which this VM hands back far
             # faster than fresh memory (first touch), so it would not be a floor for a load into fresh partitions
             threads = args.floor_threads or default_io_threads()
@@ -384,7 +392,7 @@ def main() -> None:
                         os.close(fd)
                 dist.barrier()
             t0 = time.perf_counter()
-            buf = read_spans(spans, threads)
+            buf = read_spans(spans, threads, populate=args.variant == "floor_populated")
             seconds = time.perf_counter() - t0
             del buf
             result["floor_seconds_by_threads"] = {threads: seconds}
@@ -396,7 +404,7 @@ def main() -> None:
                 elif args.variant == "plain":  # single-process from_pretrained on rank 0 (no DeepSpeed), for scale
                     model = load_plain(args.path) if rank == 0 else None
                 else:
-                    model = (load_ours if args.variant == "ours" else load_upstream)(args.path, config)
+                    model = (load_upstream if args.variant == "upstream" else load_ours)(args.path, config)
                 if args.ep_size:
                     result["load_seconds"] = time.perf_counter() - start
                     engine = initialize(model, config)
@@ -421,11 +429,11 @@ def main() -> None:
         "safetensors_get_tensor_bytes": st_bytes.bytes,
         "read_bytes_disk": io1["read_bytes"] - io0["read_bytes"],
     })
-    if args.variant == "floor":
+    if args.variant.startswith("floor"):
         result["bytes_read"] = sum(n for _, _, n in spans)
     elif args.variant in ("upstream", "plain"):
         result["bytes_read"] = result["rchar"] + st_bytes.bytes
-    elif args.variant in ("ours", "stream"):
+    elif args.variant in ("ours", "stream", "ours_faulting"):
         summary = model.hf_zero3_load_report.summary()
         result["report"] = summary
         result["bytes_read"] = summary["bytes_read"]

@@ -12,6 +12,8 @@ reported), so every variant starts in a fresh process:
             that rank, one pass into fresh memory with the loader's default thread count: the cost of merely
             reading this rank's bytes (a second pass would reuse memory the first freed, which this VM serves far
             faster than fresh memory)
+  ours_faulting, floor_populated  (--prefault-ab) ours with HF_ZERO3_LOADER_PREFAULT=0, its reads faulting each
+            fresh page in, and the floor with the loader's populate call before each read: what populating buys
   upstream  HfDeepSpeedConfig(DS) kept alive, then AutoModelForCausalLM.from_pretrained(path, dtype=bf16):
             built under deepspeed.zero.Init, rank 0 reads the whole checkpoint, gathers/broadcasts per module
 
@@ -53,10 +55,12 @@ from _bench_common import (REPO, MiB, evict_page_cache, launch, log_tail, make_c
                            warm_page_cache)
 
 VARIANTS = ("ours", "floor", "upstream", "stream", "plain")  # ours first: the floor reads the byte ranges ours planned
+PREFAULT_AB = ("ours_faulting", "floor_populated")  # --prefault-ab: ours without populate, the floor with it
 
 
 def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False,
-              stream: bool = False, fp8: bool = False, cold: bool = False, tag: str = "", upstream: bool = True) -> dict:
+              stream: bool = False, fp8: bool = False, cold: bool = False, tag: str = "", upstream: bool = True,
+              prefault_ab: bool = False) -> dict:
     """Every variant `repeats` times, interleaved (ours, floor, upstream, ours, ...); keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
@@ -68,11 +72,13 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
     variants = ("ours", "upstream") if ep else ("ours", "upstream", "plain") if fp8 else VARIANTS[:4] if stream else VARIANTS[:3]
     if not upstream:
         variants = tuple(v for v in variants if v != "upstream")
+    if prefault_ab and not ep:
+        variants += PREFAULT_AB
     out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
                  "ep_size": world if ep else None, "cold": cold}
     for rep in range(repeats):
         for variant in variants:
-            if variant == "floor" and not out["runs"]["ours"]:
+            if variant.startswith("floor") and not out["runs"]["ours"]:
                 continue  # no plan to read
             result = os.path.join(d, f"{variant}.{rep}.json")
             if os.path.exists(result):
@@ -85,7 +91,7 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
                 args += ["--spans-out", os.path.join(d, "spans.json")]
             if variant == "ours" and check:
                 args += ["--state-out", os.path.join(d, "ours")]
-            elif variant == "floor":
+            elif variant.startswith("floor"):
                 args += ["--spans-in", os.path.join(d, "spans.json")]
             elif variant in ("upstream", "stream") and check:
                 args += ["--compare-with", os.path.join(d, "ours")]
@@ -102,7 +108,7 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
                 ranks = json.load(f)
             out["runs"][variant].append(ranks)
             print(f" load {max(r['seconds'] for r in ranks):.3f}s (slowest rank); launch wall {wall:.1f}s"
-                  f"{' incl. gather+verify' if check and variant != 'floor' else ''}", flush=True)
+                  f"{' incl. gather+verify' if check and not variant.startswith('floor') else ''}", flush=True)
     out["results"] = []
     out["median_run"] = {}
     for variant, runs in out["runs"].items():
@@ -116,7 +122,7 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
 
 
 def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
-    by = {v: [r for r in run["results"] if r["variant"] == v] for v in VARIANTS}
+    by = {v: [r for r in run["results"] if r["variant"] == v] for v in VARIANTS + PREFAULT_AB}
     title = f"### world size {world}" + (f", expert parallel size {run['ep_size']} (load + deepspeed.initialize)"
                                          if run.get("ep_size") else "")
     lines = [title, "", f"(per variant: the median of {max(len(v) for v in run['runs'].values())} "
@@ -128,8 +134,8 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
         if r["rss_growth_shared"] > 64 * MiB:
             lines.append(f"upstream rank {r['rank']}: {r['rss_growth_shared'] / MiB:.0f} MiB of its RSS growth is "
                          f"file-backed (mmapped checkpoint pages); anonymous growth {r['rss_growth_anon'] / MiB:.0f} MiB")
-    for r in by["floor"]:
-        lines.append(f"floor rank {r['rank']}: " + ", ".join(
+    for r in by["floor"] + by["floor_populated"]:
+        lines.append(f"{r['variant']} rank {r['rank']}: " + ", ".join(
             f"{t} thread(s) {s:.3f}s" for t, s in sorted(r["floor_seconds_by_threads"].items(), key=lambda x: int(x[0]))))
     disk = {v: sum(r["read_bytes_disk"] for r in rs) for v, rs in by.items()}
     lines.append("bytes fetched from the storage device during the loads (/proc/self/io read_bytes, all ranks; "
@@ -149,6 +155,11 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
         ratios["_collective"] = (c_up, c_ours)
     if t_ours and t_floor:
         ratios["ours/floor time (slowest rank)"] = t_ours / t_floor
+    t_faulting, t_populated = worst("ours_faulting", "seconds"), worst("floor_populated", "seconds")
+    if t_faulting and t_floor:
+        ratios["ours_faulting/floor time (slowest rank)"] = t_faulting / t_floor
+    if t_ours and t_populated:
+        ratios["ours/floor_populated time (slowest rank)"] = t_ours / t_populated
     t_stream = worst("stream", "seconds")
     if t_ours and t_stream:
         ratios["stream/ours time (slowest rank)"] = t_stream / t_ours
@@ -217,6 +228,9 @@ def main() -> None:
     ap.add_argument("--no-upstream", action="store_true",
                     help="skip transformers' path (ours against the floor only, e.g. to compare two versions of ours)")
     ap.add_argument("--read-threads", type=int, help="read_threads for ours (default: the loader's own default)")
+    ap.add_argument("--prefault-ab", action="store_true",
+                    help="also run ours with HF_ZERO3_LOADER_PREFAULT=0 (reads fault pages in) and the floor with the "
+                         "loader's populate call, to measure what populating the destinations buys")
     args = ap.parse_args()
     if args.read_threads:
         os.environ["HF_ZERO3_BENCH_READ_THREADS"] = str(args.read_threads)
@@ -263,7 +277,8 @@ def main() -> None:
         for world in worlds:
             run = run_world(world, ckpt, workdir, verify=world == verify_world and not args.no_upstream, timeout=args.timeout,
                             repeats=args.repeats, ep=ep, stream=args.stream, fp8=args.fp8_only, cold=args.cold,
-                            tag="" if args.size == "bench" else f"_{args.size}", upstream=not args.no_upstream)
+                            tag="" if args.size == "bench" else f"_{args.size}", upstream=not args.no_upstream,
+                            prefault_ab=args.prefault_ab)
             text, summary = summarize(world, run, ckpt_bytes)
             run.update(summary)
             report["worlds"][f"{world}{'_ep' if ep else ''}"] = run
