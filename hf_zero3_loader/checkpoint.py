@@ -214,26 +214,17 @@ def _check_entries(path: str, header: dict, data_size: int, file_size: int, data
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        where = f"{path}: tensor {key!r}"
-        if not isinstance(info, dict):
-            raise CheckpointError(f"{where}: corrupt header entry (not a JSON object)")
-        dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(dtype_name, str):
-            raise CheckpointError(f"{where}: corrupt header entry (dtype {_short(dtype_name)})")
-        if dtype_name not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{where} has unsupported dtype {dtype_name}")
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise CheckpointError(f"{where}: corrupt header entry (shape {_short(shape)} is not a list of sizes)")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
-                and offsets[0] <= offsets[1]):
-            raise CheckpointError(f"{where}: corrupt header entry (data_offsets {_short(offsets)})")
-        begin, end = offsets
-        itemsize = SAFETENSORS_DTYPES[dtype_name].itemsize
-        if end - begin != math.prod(shape) * itemsize:
-            raise CheckpointError(f"{where}: byte range does not match its shape {shape}")
-        if end > data_size:
-            raise CheckpointError(f"{path}: truncated file: tensor {key!r} ends at byte {data_start + end}, "
-                                  f"file has {file_size}")
+        # the common case in one expression (JSON numbers are exactly `int`, never bool); details only on failure
+        try:
+            begin, end = info["data_offsets"]
+            shape = info["shape"]
+            well_formed = (type(shape) is list and all(type(d) is int and d >= 0 for d in shape)
+                           and type(begin) is int and type(end) is int and 0 <= begin <= end <= data_size
+                           and end - begin == math.prod(shape) * SAFETENSORS_DTYPES[info["dtype"]].itemsize)
+        except Exception:
+            well_formed = False
+        if not well_formed:
+            _explain_entry(path, key, info, data_size, file_size, data_start)
         spans.append((begin, end, key))
     expected, previous = 0, None
     for begin, end, key in sorted(spans):
@@ -245,6 +236,30 @@ def _check_entries(path: str, header: dict, data_size: int, file_size: int, data
     if expected != data_size:
         raise CheckpointError(f"{path}: {data_size - expected} bytes after the last tensor: not a complete "
                               "safetensors file")
+
+
+def _explain_entry(path: str, key: str, info, data_size: int, file_size: int, data_start: int) -> None:
+    """Raise the CheckpointError that says what is wrong with a header entry that failed the fast check."""
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: corrupt header entry (not a JSON object)")
+    dtype_name, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype_name, str):
+        raise CheckpointError(f"{where}: corrupt header entry (dtype {_short(dtype_name)})")
+    if dtype_name not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{where} has unsupported dtype {dtype_name}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: corrupt header entry (shape {_short(shape)} is not a list of sizes)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise CheckpointError(f"{where}: corrupt header entry (data_offsets {_short(offsets)})")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype_name].itemsize:
+        raise CheckpointError(f"{where}: byte range does not match its shape {shape}")
+    if end > data_size:
+        raise CheckpointError(f"{path}: truncated file: tensor {key!r} ends at byte {data_start + end}, "
+                              f"file has {file_size}")
+    raise CheckpointError(f"{where}: corrupt header entry")  # not reached: the fast check is the sum of these
 
 
 def _inside(folder: str, path: str) -> bool:

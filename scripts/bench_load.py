@@ -61,7 +61,7 @@ PREFAULT_AB = ("ours_faulting", "floor_populated")  # --prefault-ab: ours withou
 def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False,
               stream: bool = False, fp8: bool = False, cold: bool = False, tag: str = "", upstream: bool = True,
               prefault_ab: bool = False) -> dict:
-    """Every variant `repeats` times, interleaved (ours, floor, upstream, ours, ...); keeps each variant's median run.
+    """Every variant `repeats` times, interleaved in rotating order; keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
     launched `repeats` times and the run whose slowest rank is the median is reported (all runs are in the JSON).
@@ -77,7 +77,9 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
     out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
                  "ep_size": world if ep else None, "cold": cold}
     for rep in range(repeats):
-        for variant in variants:
+        # the order rotates each round (ours first in the first: the floors read the spans it writes), so no variant
+        # always runs right after another: on this VM a launch's speed depends on what the one before it left
+        for variant in variants[rep % len(variants):] + variants[:rep % len(variants)]:
             if variant.startswith("floor") and not out["runs"]["ours"]:
                 continue  # no plan to read
             result = os.path.join(d, f"{variant}.{rep}.json")

@@ -215,6 +215,20 @@ class SourceBox:
         return sym
 
 
+def _natural_key_by_parts() -> Callable[[str], list]:
+    """transformers' `dot_natural_key` (the order it collects a merge's tensors in), computed once per distinct
+    dot-separated part: it maps each part on its own (5.23), and a checkpoint's 14k keys share a few hundred parts,
+    so sorting them costs a third of calling it per key."""
+    cache: dict[str, tuple] = {}
+
+    def part_key(part: str) -> tuple:
+        if part not in cache:
+            (cache[part],) = cml.dot_natural_key(part)
+        return cache[part]
+
+    return lambda key: [part_key(part) for part in key.split(".")]
+
+
 def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_mapping: list, dtype_plan: dict) -> Resolution:
     """Group checkpoint keys as transformers does and evaluate every converter symbolically (no data read).
     `model` is the meta skeleton transformers built, untied."""
@@ -228,7 +242,7 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
     unexpected: set[str] = set()
     to_load: dict[str, cml.WeightTransform] = {}
     target_dtype: dict[str, torch.dtype] = {}
-    for original_key in sorted(checkpoint.entries, key=cml.dot_natural_key):
+    for original_key in sorted(checkpoint.entries, key=_natural_key_by_parts()):
         entry = checkpoint.entries[original_key]
         renamed, source_pattern = cml.rename_source_key(original_key, renamings, converters, prefix, meta_state)
         if renamed not in meta_state and original_key in meta_state:
