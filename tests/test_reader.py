@@ -7,7 +7,9 @@ stack and allocator), where the same range unpopulated takes one per page.
 
 from __future__ import annotations
 
+import mmap
 import resource
+import warnings
 
 import pytest
 import torch
@@ -15,7 +17,17 @@ import torch
 from hf_zero3_loader import reader as reader_module
 from hf_zero3_loader.reader import PREFAULT_ENV, FileReader, populate_for_write
 
-PAGES = 4096  # 16 MiB of 4 KiB pages: fresh memory (glibc maps allocations this large anew)
+PAGES = 4096  # 16 MiB of 4 KiB pages
+
+
+def _fresh(nbytes: int) -> torch.Tensor:
+    """Memory never touched: its own anonymous mapping (an allocator could hand back pages already mapped)."""
+    memory = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # 4 KiB pages, one fault each, even where huge pages are always on
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer: "the given buffer is not writable" does not apply to mmap
+        return torch.frombuffer(memory, dtype=torch.uint8)
 
 
 def _faults_while(fn) -> int:
@@ -25,17 +37,16 @@ def _faults_while(fn) -> int:
 
 
 def _can_populate() -> bool:
-    t = torch.empty(PAGES * 4096, dtype=torch.uint8)
-    populate_for_write(t)
+    populate_for_write(_fresh(PAGES * 4096))
     return reader_module._madvise is not None
 
 
 @pytest.mark.skipif(not _can_populate(), reason="needs Linux >= 5.14 (MADV_POPULATE_WRITE)")
 def test_a_populated_destination_takes_no_page_faults_when_written():
-    cold = torch.empty(PAGES * 4096, dtype=torch.uint8)
+    cold = _fresh(PAGES * 4096)
     assert _faults_while(lambda: cold.fill_(1)) >= PAGES * 0.9  # the baseline: a fault per page
 
-    fresh = torch.empty(PAGES * 4096, dtype=torch.uint8)
+    fresh = _fresh(PAGES * 4096)
     populate_for_write(fresh)
     assert _faults_while(lambda: fresh.fill_(1)) < PAGES * 0.02
 

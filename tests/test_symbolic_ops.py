@@ -778,3 +778,18 @@ def test_plan_unsupported_op_names_model_type(ckpt_root):
         build_plan(model, checkpoint, patched, torch.float32, dtype_plan,
                    group_of=lambda n: PartitionGroup("world", 2, 0), rank=0, world_size=2)
     assert "CustomScaleOp" in str(info.value) and "qwen3_moe" in str(info.value)
+
+
+def test_checkpoint_keys_are_ordered_as_transformers_orders_them(ckpt_root):
+    """The planner sorts checkpoint keys with transformers' `dot_natural_key` computed once per dot-separated part:
+    the same order, and the same sort key, for a real checkpoint's keys shuffled and for odd names."""
+    from hf_zero3_loader.planner.plan import _natural_key_by_parts
+
+    path = make_checkpoint(str(ckpt_root / "qwen3_moe"), "qwen3_moe", torch.float32, False)
+    keys = list(open_checkpoint(sorted(glob.glob(os.path.join(path, "*.safetensors")))).entries)
+    keys += ["a.b0.c", "a.b10.c", "a.b2", "x..y", "", ".", "a.1.b", "a.01.b", "a.b.", "shard_2", "shard_11",
+             "a.0x1", "layers.10.experts.2.w1", "layers.9.experts.11.w1", "layers.9.experts.2.w1"]
+    random.Random(0).shuffle(keys)
+    key = _natural_key_by_parts()
+    assert sorted(keys, key=key) == sorted(keys, key=cml.dot_natural_key)
+    assert all(key(k) == cml.dot_natural_key(k) for k in keys)
