@@ -139,6 +139,18 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
     for r in by["floor"] + by["floor_populated"]:
         lines.append(f"{r['variant']} rank {r['rank']}: " + ", ".join(
             f"{t} thread(s) {s:.3f}s" for t, s in sorted(r["floor_seconds_by_threads"].items(), key=lambda x: int(x[0]))))
+    for v, runs in run["runs"].items():  # where ours' time goes: each phase's median and range over all rank-runs
+        phases: dict = {}
+        for ranks in runs:
+            for r in ranks:
+                for name, sec in (r.get("report") or {}).get("phases", {}).items():
+                    phases.setdefault(name, []).append(sec)
+                if r.get("report"):
+                    phases.setdefault("outside the phases", []).append(r["seconds"] - sum(r["report"]["phases"].values()))
+        if phases:
+            lines.append(f"{v} phases over {sum(len(x) for x in runs)} rank-runs (median, min-max s): " + "; ".join(
+                f"{name} {sorted(xs)[len(xs) // 2]:.3f} ({min(xs):.3f}-{max(xs):.3f})"
+                for name, xs in phases.items() if name != "init_distributed"))
     disk = {v: sum(r["read_bytes_disk"] for r in rs) for v, rs in by.items()}
     lines.append("bytes fetched from the storage device during the loads (/proc/self/io read_bytes, all ranks; "
                  "~0 means warm): " + ", ".join(f"{v} {b / MiB:.1f} MiB" for v, b in disk.items()))
