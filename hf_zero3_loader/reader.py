@@ -35,12 +35,18 @@ PREFAULT_ENV = "HF_ZERO3_LOADER_PREFAULT"  # "0": let the reads fault pages in (
 class ReadStats:
     bytes_read: int = 0
     reads: int = 0
+    bytes_populated: int = 0  # destination bytes mapped before their reads (0: the kernel or the switch said no)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.bytes_read += nbytes
             self.reads += 1
+
+    def add_populated(self, nbytes: int) -> None:
+        if nbytes:
+            with self._lock:
+                self.bytes_populated += nbytes
 
 
 def default_io_threads() -> int:
@@ -71,21 +77,26 @@ def _libc_madvise():
 _madvise = _libc_madvise()  # None where the kernel cannot populate (set so on its first refusal)
 
 
-def populate_for_write(t: torch.Tensor) -> None:
+def populate_for_write(t: torch.Tensor) -> int:
     """Map a fresh CPU tensor's pages before a read fills it: one madvise(MADV_POPULATE_WRITE) instead of a page
     fault per 4 KiB page as the kernel's copy first touches each. Same pages, same zeroing, same RSS: it saves only
     each fault's entry and exit, a large part of a warm read into fresh memory (README, Performance). It never
-    changes data (pages already mapped stay as they are); a no-op off Linux and before 5.14."""
+    changes data (pages already mapped stay as they are); a no-op off Linux and before 5.14. Returns the bytes
+    populated."""
     global _madvise
     nbytes = t.numel() * t.element_size()
     if _madvise is None or nbytes < _MIN_POPULATE_BYTES or t.device.type != "cpu":
-        return
+        return 0
     start = -(-t.data_ptr() // _PAGE) * _PAGE  # whole pages inside the tensor only
     end = (t.data_ptr() + nbytes) // _PAGE * _PAGE
-    if end > start and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-        if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # an older kernel, or memory it will
-            _madvise = None  # not populate: from now on the copies fault pages in, as without this
-        # anything else (ENOMEM under a memory limit, EINTR): the copy faults them in, or fails as it would have
+    if end <= start:
+        return 0
+    if _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
+        return end - start
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # an older kernel, or memory it will not
+        _madvise = None  # populate: from now on the copies fault pages in, as without this
+    # anything else (ENOMEM under a memory limit, EINTR): the copy faults them in, or fails as it would have
+    return 0
 
 
 def _as_bytes(t: torch.Tensor):
@@ -144,7 +155,7 @@ class FileReader:
         buf = _as_bytes(out)
         done, total = 0, out.numel() * out.element_size()
         if self.prefault:
-            populate_for_write(out)
+            self.stats.add_populated(populate_for_write(out))
         fd = self._acquire(path)
         try:
             while done < total:
@@ -162,8 +173,7 @@ class FileReader:
         bufs = [_as_bytes(out) for out in outs if out.numel()]
         total = sum(len(b) for b in bufs)
         if self.prefault:
-            for out in outs:
-                populate_for_write(out)
+            self.stats.add_populated(sum(populate_for_write(out) for out in outs))
         done, first = 0, 0  # bytes read so far; index of the first buffer not yet full
         fd = self._acquire(path)
         try:

@@ -44,7 +44,8 @@ class LoadReport:
 
     def summary(self) -> dict:
         out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,
-               "bytes_read": self.read.bytes_read, "read_calls": self.read.reads, "seconds": round(self.seconds, 3),
+               "bytes_read": self.read.bytes_read, "read_calls": self.read.reads,
+               "bytes_populated": self.read.bytes_populated, "seconds": round(self.seconds, 3),
                "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes,
                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
         if self.plan is not None:

@@ -148,9 +148,11 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
                 if r.get("report"):
                     phases.setdefault("outside the phases", []).append(r["seconds"] - sum(r["report"]["phases"].values()))
         if phases:
+            populated = {r["report"].get("bytes_populated", 0) for ranks in runs for r in ranks if r.get("report")}
             lines.append(f"{v} phases over {sum(len(x) for x in runs)} rank-runs (median, min-max s): " + "; ".join(
                 f"{name} {sorted(xs)[len(xs) // 2]:.3f} ({min(xs):.3f}-{max(xs):.3f})"
-                for name, xs in phases.items() if name != "init_distributed"))
+                for name, xs in phases.items() if name != "init_distributed")
+                + f"; destination MiB populated per rank: {', '.join(f'{b / MiB:.1f}' for b in sorted(populated))}")
     disk = {v: sum(r["read_bytes_disk"] for r in rs) for v, rs in by.items()}
     lines.append("bytes fetched from the storage device during the loads (/proc/self/io read_bytes, all ranks; "
                  "~0 means warm): " + ", ".join(f"{v} {b / MiB:.1f} MiB" for v, b in disk.items()))
