@@ -80,7 +80,7 @@ _madvise = _libc_madvise()  # None where the kernel cannot populate (set so on i
 def populate_for_write(t: torch.Tensor) -> int:
     """Map a fresh CPU tensor's pages before a read fills it: one madvise(MADV_POPULATE_WRITE) instead of a page
     fault per 4 KiB page as the kernel's copy first touches each. Same pages, same zeroing, same RSS: it saves only
-    each fault's entry and exit, a large part of a warm read into fresh memory (README, Performance). It never
+    each fault's entry and exit, a large part of a warm read into fresh memory (README, "Measured"). It never
     changes data (pages already mapped stay as they are); a no-op off Linux and before 5.14. Returns the bytes
     populated."""
     global _madvise
