@@ -112,14 +112,17 @@ class FileReader:
     and modification time): a shard replaced or rewritten during the load is refused, never read at old offsets.
     """
 
-    def __init__(self, stats: ReadStats | None = None, identities: dict | None = None, max_open: int = 32):
+    def __init__(self, stats: ReadStats | None = None, identities: dict | None = None, max_open: int = 32,
+                 prefault: bool = True):
         self.stats = stats or ReadStats()
         self.identities = identities or {}
         self.max_open = max_open
         self._fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._users: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.prefault = os.environ.get(PREFAULT_ENV, "1") != "0"
+        # populate fresh destinations (partitions); a reader filling reused buffers (staging slots, stream chunks) is
+        # made with prefault=False: populating resident pages again is a page-table walk per refill, for nothing
+        self.prefault = prefault and os.environ.get(PREFAULT_ENV, "1") != "0"
 
     def _open(self, path: str) -> int:
         try:

@@ -142,7 +142,7 @@ class Zero3Load:
         streamer = Streamer(self.stream.chunk_bytes, device)
         with self.agreement.collective_section("stream checkpoint bytes", groups):
             if served:
-                reader = FileReader(self.report.read, checkpoint.identities)
+                reader = FileReader(self.report.read, checkpoint.identities, prefault=False)  # into reused chunks
                 try:
                     streamer.serve(served, checkpoint, reader)
                 finally:
@@ -240,6 +240,7 @@ class Zero3Load:
                       disable=self.report.rank != 0) as bar:
                 run_reads(in_place, reader, threads=self.read_threads, progress=bar.update)
                 if staged:
+                    reader.prefault = False  # staging slots are reused: populating them again on each refill is waste
                     self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
                                                            progress=bar.update).summary()
         finally:
