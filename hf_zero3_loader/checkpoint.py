@@ -438,7 +438,14 @@ def check_index(index_path: str) -> None:
 
 def check_weight_map(weight_map: dict[str, str], checkpoint: Checkpoint) -> None:
     """A sharded checkpoint's index must name tensors that the named shard really holds."""
+    names: dict[str, str] = {}  # file or shard -> its base name, computed once per distinct one (not per tensor)
+
+    def name(path: str) -> str:
+        if path not in names:
+            names[path] = os.path.basename(path)
+        return names[path]
+
     for key, shard in weight_map.items():
         entry = checkpoint.entries.get(key)
-        if entry is None or os.path.basename(entry.file) != os.path.basename(shard):
+        if entry is None or name(entry.file) != name(shard):
             raise CheckpointError(f"the checkpoint index names tensor {key!r} in {shard}, but that file does not hold it")

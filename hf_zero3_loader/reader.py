@@ -83,12 +83,18 @@ def populate_for_write(t: torch.Tensor) -> int:
     each fault's entry and exit, a large part of a warm read into fresh memory (README, "Measured"). It never
     changes data (pages already mapped stay as they are); a no-op off Linux and before 5.14. Returns the bytes
     populated."""
-    global _madvise
-    nbytes = t.numel() * t.element_size()
-    if _madvise is None or nbytes < _MIN_POPULATE_BYTES or t.device.type != "cpu":
+    if t.device.type != "cpu":
         return 0
-    start = -(-t.data_ptr() // _PAGE) * _PAGE  # whole pages inside the tensor only
-    end = (t.data_ptr() + nbytes) // _PAGE * _PAGE
+    return populate_range(t.data_ptr(), t.numel() * t.element_size())
+
+
+def populate_range(address: int, nbytes: int) -> int:
+    """`populate_for_write` for the bytes [address, address + nbytes) of a CPU buffer: the whole pages inside."""
+    global _madvise
+    if _madvise is None or nbytes < _MIN_POPULATE_BYTES:
+        return 0
+    start = -(-address // _PAGE) * _PAGE  # whole pages inside the range only
+    end = (address + nbytes) // _PAGE * _PAGE
     if end <= start:
         return 0
     if _madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:
@@ -155,29 +161,20 @@ class FileReader:
 
     def read_into(self, path: str, offset: int, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` with the bytes at `offset` of `path`."""
-        buf = _as_bytes(out)
-        done, total = 0, out.numel() * out.element_size()
-        if self.prefault:
-            self.stats.add_populated(populate_for_write(out))
-        fd = self._acquire(path)
-        try:
-            while done < total:
-                n = os.preadv(fd, [buf[done:]], offset + done)
-                if n <= 0:
-                    raise CheckpointError(f"{path}: truncated file (wanted {total} bytes at offset {offset})")
-                done += n
-        finally:
-            self._release(path)
-        self.stats.add(total)
+        self.read_buffers(path, offset, [(_as_bytes(out), out.data_ptr())])
 
     def read_spans(self, path: str, offset: int, outs: list[torch.Tensor]) -> None:
         """Fill the CPU tensors `outs`, in order, with the consecutive bytes at `offset` of `path`: one preadv for
         reads that are adjacent on disk but land in different places (coalesced reads)."""
-        bufs = [_as_bytes(out) for out in outs if out.numel()]
-        total = sum(len(b) for b in bufs)
+        self.read_buffers(path, offset, [(_as_bytes(out), out.data_ptr()) for out in outs])
+
+    def read_buffers(self, path: str, offset: int, buffers: list[tuple]) -> None:
+        """`read_spans` for (writable byte array, its address) pairs: byte views of CPU memory, which callers slice
+        far more cheaply than tensors."""
         if self.prefault:
-            self.stats.add_populated(sum(populate_for_write(out) for out in outs))
-        done, first = 0, 0  # bytes read so far; index of the first buffer not yet full
+            self.stats.add_populated(sum(populate_range(address, len(buf)) for buf, address in buffers))
+        bufs = [buf for buf, _ in buffers if len(buf)]
+        done, total, first = 0, sum(len(b) for b in bufs), 0  # bytes read; index of the first buffer not yet full
         fd = self._acquire(path)
         try:
             while done < total:
@@ -306,23 +303,25 @@ def file_order(item: ReadItem, entry) -> tuple:
     return item.file, getattr(entry, "data_start", 0) + item.src_offset * item.src_dtype.itemsize
 
 
-def _span_offset(item: ReadItem, entry, out: torch.Tensor) -> int | None:
-    """The file offset of a piece that is one run of stored bytes landing unchanged in `out`; None otherwise."""
+def _span_offset(item: ReadItem, entry, out_dtype: torch.dtype) -> int | None:
+    """The file offset of a piece that is one run of stored bytes landing unchanged in a destination of
+    `out_dtype`; None otherwise."""
     if (not isinstance(entry, TensorEntry) or entry.tensor is not None or item.transposed
-            or (item.rows != 1 and item.row_stride != item.cols) or out.dtype != item.src_dtype):
+            or (item.rows != 1 and item.row_stride != item.cols) or out_dtype != item.src_dtype):
         return None
     return entry.data_start + item.src_offset * item.src_dtype.itemsize
 
 
-def coalesce(pieces: list[tuple], out_of, max_bytes: int = STAGING_BYTES) -> list[tuple[int | None, list[tuple]]]:
+def coalesce(pieces: list[tuple], dtype_of, max_bytes: int = STAGING_BYTES) -> list[tuple[int | None, list[tuple]]]:
     """Group pieces (in file order) into reads: consecutive plain spans that follow each other in one file become
-    one read of at most `max_bytes` (one preadv into their separate destinations `out_of(piece)`); anything else
-    (casts, boxes, computed tensors) stays a read of its own. Returns (file offset or None, pieces) per read."""
+    one read of at most `max_bytes` (one preadv into their separate destinations, of dtype `dtype_of(piece)`);
+    anything else (casts, boxes, computed tensors) stays a read of its own. Returns (file offset or None, pieces)
+    per read."""
     reads: list[tuple[int | None, list[tuple]]] = []
     end, size = None, 0
     for piece in pieces:
         item = piece[0]
-        offset = _span_offset(item, piece[1], out_of(piece))
+        offset = _span_offset(item, piece[1], dtype_of(piece))
         nbytes = item.numel * item.src_dtype.itemsize
         last = reads[-1] if reads else None
         if (offset is not None and last is not None and last[0] is not None and offset == end
@@ -343,20 +342,32 @@ def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: Fi
     or an interrupt, cancels every queued read at once; reads already running finish (at most STAGING_BYTES each)."""
     pieces = [(p, entry, dst) for item, entry, dst in jobs for p in split_for_threads(item)]
     pieces.sort(key=lambda job: file_order(job[0], job[1]))
+    # each destination (flat, contiguous) viewed as bytes once: slicing those views costs far less than slicing
+    # tensors, a few microseconds per piece over the thousands of pieces a load has
+    bytes_of = {id(dst): (_as_bytes(dst), dst.data_ptr(), dst.element_size()) for _, _, dst in jobs}
 
-    def out_of(piece):
-        item, _, dst = piece
-        return dst[item.dst_offset : item.dst_offset + item.numel]
+    def span_buffers(group):
+        """(bytes, address) per run of destination memory: pieces adjacent in one destination share a buffer."""
+        runs = []
+        for item, _, dst in group:
+            key = id(dst)
+            start = item.dst_offset * bytes_of[key][2]
+            stop = start + item.numel * bytes_of[key][2]
+            if runs and runs[-1][0] == key and runs[-1][2] == start:
+                runs[-1][2] = stop
+            else:
+                runs.append([key, start, stop])
+        return [(bytes_of[key][0][start:stop], bytes_of[key][1] + start) for key, start, stop in runs]
 
     def one(offset, group):
-        if len(group) == 1:
-            execute_read(reader, *group[0])
+        if offset is not None:  # plain spans, one or more adjacent on disk
+            reader.read_buffers(group[0][0].file, offset, span_buffers(group))
         else:
-            reader.read_spans(group[0][0].file, offset, [out_of(p) for p in group])
+            execute_read(reader, *group[0])
         if progress is not None:
             progress(sum(p[0].stored_bytes for p in group))
 
-    run_in_threads(coalesce(pieces, out_of), one, threads)
+    run_in_threads(coalesce(pieces, lambda piece: piece[2].dtype), one, threads)
 
 
 def run_in_threads(tasks: list[tuple], one, threads: int) -> None:

@@ -183,7 +183,7 @@ def run_staged_reads(jobs: list[tuple], reader: FileReader, staging_bytes: int =
                 item, _, dst, offset = piece
                 return slot[offset : offset + item.numel * dst.element_size()].view(dst.dtype)
 
-            for file_offset, group in coalesce(batch, staged):  # pieces adjacent on disk: one preadv
+            for file_offset, group in coalesce(batch, lambda piece: piece[2].dtype):  # adjacent on disk: one preadv
                 if len(group) > 1:
                     reader.read_spans(group[0][0].file, file_offset, [staged(p) for p in group])
                     continue

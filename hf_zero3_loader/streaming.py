@@ -84,7 +84,7 @@ def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None
             import json
 
             with open(index) as f:
-                files = sorted({os.path.join(folder, v) for v in json.load(f).get("weight_map", {}).values()})
+                files = sorted(os.path.join(folder, v) for v in set(json.load(f).get("weight_map", {}).values()))
             break
     else:
         for single in ("model.safetensors", "pytorch_model.bin"):

@@ -98,7 +98,7 @@ def inject_fault(case: dict):
     fault = case.get("inject")
     if not fault or fault["rank"] != dist.get_rank():
         return lambda: None
-    saved = [(reader.FileReader, "read_into"), (os, "open"), (loader, "run_reads"), (loader, "initialize_missing"),
+    saved = [(reader.FileReader, "read_buffers"), (os, "open"), (loader, "run_reads"), (loader, "initialize_missing"),
              (reader.FileReader, "__init__")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
 
@@ -109,9 +109,9 @@ def inject_fault(case: dict):
     kind = fault["kind"]
     real_run_reads, real_init_missing, real_open = loader.run_reads, loader.initialize_missing, os.open
     if kind == "raise_in_read":
-        def failing_read(self, path, offset, out):
+        def failing_read(self, path, offset, buffers):  # every read of a checkpoint file goes through it
             raise OSError(f"injected read failure in {path}")
-        reader.FileReader.read_into = failing_read
+        reader.FileReader.read_buffers = failing_read
     elif kind == "unreadable":  # this rank cannot open the checkpoint files, the others can
         def denied(path, *args, **kwargs):
             if str(path).endswith(".safetensors"):

@@ -121,7 +121,7 @@ class _SlowReader:
         self.stats, self.seconds, self.fail_at, self.calls = ReadStats(), seconds, fail_at, 0
         self.lock = threading.Lock()
 
-    def read_into(self, path, offset, out):
+    def read_buffers(self, path, offset, buffers):
         with self.lock:
             self.calls += 1
             n = self.calls

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_zero3_loader import reader as reader_module
-from hf_zero3_loader.reader import PREFAULT_ENV, FileReader, populate_for_write
+from hf_zero3_loader.reader import PREFAULT_ENV, FileReader, populate_for_write, populate_range
 
 PAGES = 4096  # 16 MiB of 4 KiB pages
 
@@ -67,8 +67,8 @@ def test_reads_give_the_same_bytes_with_and_without_populating(tmp_path, monkeyp
     blob = torch.randint(0, 256, (3 * 1024 * 1024 + 77,), dtype=torch.uint8)
     blob.numpy().tofile(path)
     calls = []
-    monkeypatch.setattr(reader_module, "populate_for_write",
-                        lambda t: calls.append(t.numel()) or populate_for_write(t))
+    monkeypatch.setattr(reader_module, "populate_range",
+                        lambda address, nbytes: calls.append(nbytes) or populate_range(address, nbytes))
     r = FileReader()
     assert r.prefault is (prefault == "1")
     # spans of odd sizes and offsets, adjacent on disk, landing in separate (unaligned) destinations

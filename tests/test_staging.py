@@ -133,7 +133,7 @@ def test_only_plain_spans_adjacent_in_one_file_are_coalesced():
               piece("a", 11, 2),  # a gap before it
               piece("a", 13, 2, out_dtype=torch.bfloat16),  # a cast: its own read
               piece("a", 15, 2), piece("b", 17, 2)]  # another file
-    reads = coalesce(pieces, lambda p: p[2])
+    reads = coalesce(pieces, lambda p: p[2].dtype)
     assert [(offset, len(group)) for offset, group in reads] == [(0, 3), (44, 1), (None, 1), (60, 1), (68, 1)]
-    capped = coalesce(pieces[:3], lambda p: p[2], max_bytes=32)  # 16 + 16 bytes fit, the third does not
+    capped = coalesce(pieces[:3], lambda p: p[2].dtype, max_bytes=32)  # 16 + 16 bytes fit, the third does not
     assert [len(group) for _, group in capped] == [2, 1]
