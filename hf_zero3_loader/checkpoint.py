@@ -7,6 +7,7 @@ the ranges the plan asks for.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -438,13 +439,7 @@ def check_index(index_path: str) -> None:
 
 def check_weight_map(weight_map: dict[str, str], checkpoint: Checkpoint) -> None:
     """A sharded checkpoint's index must name tensors that the named shard really holds."""
-    names: dict[str, str] = {}  # file or shard -> its base name, computed once per distinct one (not per tensor)
-
-    def name(path: str) -> str:
-        if path not in names:
-            names[path] = os.path.basename(path)
-        return names[path]
-
+    name = functools.lru_cache(maxsize=None)(os.path.basename)  # once per distinct file, not per tensor
     for key, shard in weight_map.items():
         entry = checkpoint.entries.get(key)
         if entry is None or name(entry.file) != name(shard):

@@ -203,9 +203,12 @@ def run_staged_reads(jobs: list[tuple], reader: FileReader, staging_bytes: int =
             if progress is not None:
                 progress(item.stored_bytes)
 
+    # the slots are reused for every batch: populating their pages again on each refill is a page-table walk for nothing
+    prefault, reader.prefault = reader.prefault, False
     try:
         run_in_threads([(batch,) for batch in batches], one, threads)
     finally:
+        reader.prefault = prefault
         if cuda:  # nothing may read the partitions, or reuse the pinned buffer, before the last copy lands
             copy_stream.synchronize()
             torch.cuda.current_stream(device).wait_stream(copy_stream)

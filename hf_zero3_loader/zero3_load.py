@@ -240,7 +240,6 @@ class Zero3Load:
                       disable=self.report.rank != 0) as bar:
                 run_reads(in_place, reader, threads=self.read_threads, progress=bar.update)
                 if staged:
-                    reader.prefault = False  # staging slots are reused: populating them again on each refill is waste
                     self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
                                                            progress=bar.update).summary()
         finally:

@@ -332,7 +332,9 @@ def main() -> None:
     args = ap.parse_args()
     config = ds_config(args.ep_size)
     if args.variant == "ours_faulting":  # ours with the reads faulting pages in (no populate), for the A/B rows
-        os.environ["HF_ZERO3_LOADER_PREFAULT"] = "0"
+        from hf_zero3_loader.reader import PREFAULT_ENV
+
+        os.environ[PREFAULT_ENV] = "0"
     if args.dequantize:
         from transformers import FineGrainedFP8Config
 
