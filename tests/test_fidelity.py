@@ -15,6 +15,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from tests.conftest import run_torchrun
+from tests.dist_worker import ds_config_for
 
 CHECKPOINTS = {
     # name: (family, saved dtype, sharded)
@@ -40,6 +41,11 @@ def _cases(workdir: str, world_size: int) -> list[dict]:
     # a base model loaded from a causal-LM checkpoint (drops the `model.` prefix, leaves lm_head unexpected)
     cases.append({"name": "qwen3_moe/base", "path": os.path.join(workdir, "qwen3_moe"), "dtype": "float32",
                   "model_class": "AutoModel", "out": os.path.join(workdir, f"w{world_size}_base.pt")})
+    # partitions offloaded to the host (`offload_param: cpu`): read in place, as on a device rank (tests/test_gpu.py)
+    offload = ds_config_for("bfloat16", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    cases.append({"name": "qwen3_moe/offload_param", "path": os.path.join(workdir, "qwen3_moe"), "dtype": "bfloat16",
+                  "model_class": "AutoModelForCausalLM", "ds_config": offload,
+                  "out": os.path.join(workdir, f"w{world_size}_offload.pt")})
     return cases
 
 

@@ -1,5 +1,6 @@
-"""The accelerator path (skipped without one): world size 1 over NCCL, partitions on the GPU, every gathered parameter
-and buffer bit- and dtype-equal to the plain load; expert parallelism on the GPU trains like engine-side AutoEP."""
+"""The accelerator path (skipped without one): world size 1 over NCCL, partitions on the GPU (or offloaded to the
+host), every gathered parameter and buffer bit- and dtype-equal to the plain load; expert parallelism on the GPU trains
+like engine-side AutoEP."""
 
 from __future__ import annotations
 
@@ -80,3 +81,22 @@ def test_gpu_staging_is_bounded_by_the_budget_and_bit_exact(workdir):
         for name, want in ref.items():
             actual = got["state"][name]
             assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name}"
+
+
+def test_gpu_offloaded_partitions_are_read_in_place(workdir):
+    """`offload_param: cpu`: the partitions live on the host, so they are read in place; nothing goes through the
+    staging buffer (no parameter persists on the device with the persistence threshold at 0, and this model loads no
+    buffer), and the gathered state is the plain load's."""
+    path = make_checkpoint(os.path.join(workdir, "gpu_offload_qwen3_moe"), "qwen3_moe", sharded=True)
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    case = {"name": "offload_param", "path": path, "dtype": "bfloat16", "ds_config": ds_config_for("bfloat16",
+            {"zero_optimization": zero}), "out": os.path.join(workdir, "gpu_offload.pt")}
+    (dump,) = run_torchrun(1, [case], workdir, env=NCCL)
+    got = dump["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    assert "staging" not in got["report"], got["report"]["staging"]
+    ref = _plain(path, torch.bfloat16)
+    assert set(got["state"]) == set(ref)
+    for name, want in ref.items():
+        actual = got["state"][name]
+        assert actual.dtype == want.dtype and torch.equal(actual, want), name
