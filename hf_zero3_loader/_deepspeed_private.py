@@ -4,6 +4,8 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
 - `zero.Init._convert_to_deepspeed_param` only attaches attributes and closures (no allocation, no collective), so an
   un-entered `Init` converts a parameter; we then hand it a partition we allocated (`ds_tensor` and the status
   fields `GatheredParameters` and the engine read).
+- `Init.pin_memory`: whether `zero.Init` page-locks host partitions (`offload_param: {device: cpu, pin_memory: true}`);
+  ours are pinned the same way.
 - `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
   (AutoEP expert parameters: their expert-data-parallel group).
 
@@ -50,6 +52,8 @@ class ZeroParamFactory:
         # NVMe offload was refused earlier (deepspeed_setup.check_supported); this is the CPU-offload or local device
         remote = str(getattr(self._init.remote_device, "value", self._init.remote_device))
         self.remote_device = torch.device(remote) if remote not in ("None", "none") else self.local_device
+        # `offload_param.pin_memory`, as zero.Init resolved it (False unless the partitions are offloaded)
+        self.pin_memory = bool(getattr(self._init, "pin_memory", False))
 
     @property
     def default_group(self):

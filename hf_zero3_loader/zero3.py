@@ -50,11 +50,21 @@ class Zero3Partitioner:
             raise LoaderError(f"internal error: {name} planned for group {plan.group} but DeepSpeed partitions it "
                               f"over {param.ds_zero_partition_world_size} ranks (rank {param.ds_zero_partition_rank})")
         device = self.local_device if param.ds_persist else self.remote_device
+        partition = self._new_partition(plan.partition_numel, plan.dtype, device)
         if plan.status == "load":  # the reads fill [0, end - start); only the padding must be zeroed
-            partition = torch.empty(plan.partition_numel, dtype=plan.dtype, device=device)
             partition[plan.end - plan.start :].zero_()
         else:  # missing: initialised later (or left zero, never garbage)
-            partition = torch.zeros(plan.partition_numel, dtype=plan.dtype, device=device)
+            partition.zero_()
         self._factory.attach_partition(param, partition, torch.empty(0, dtype=plan.dtype, device=self.local_device))
         module._parameters[name] = param
         return param
+
+    def _new_partition(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Uninitialised storage; on the host page-locked when the config asks (`offload_param.pin_memory`), as
+        zero.Init pins its partitions: the engine moves trainable ones into pinned buffers of its own, but frozen ones
+        (a LoRA base model) stay where the load put them and are copied to the device at every gather."""
+        if self._factory.pin_memory and device.type == "cpu":
+            from deepspeed.accelerator import get_accelerator
+
+            return get_accelerator().pin_empty(numel, dtype=dtype)  # a no-op pin on DeepSpeed's CPU accelerator
+        return torch.empty(numel, dtype=dtype, device=device)

@@ -253,6 +253,9 @@ def run_case(case: dict) -> dict:
         result["staging_largest_allocation_bytes"] = staged_largest.largest_bytes
         loader_module.run_staged_reads = real_staged
     result["training"] = model.training
+    partitions = [p.ds_tensor for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
+    result["partitions"] = {"devices": sorted({str(t.device) for t in partitions}),
+                            "pinned": sum(t.is_pinned() for t in partitions), "count": len(partitions)}
     result["state"] = gather_state(model)
     result["config"] = model.config.to_dict()
     if model.can_generate():

@@ -42,7 +42,9 @@ def _cases(workdir: str, world_size: int) -> list[dict]:
     cases.append({"name": "qwen3_moe/base", "path": os.path.join(workdir, "qwen3_moe"), "dtype": "float32",
                   "model_class": "AutoModel", "out": os.path.join(workdir, f"w{world_size}_base.pt")})
     # partitions offloaded to the host (`offload_param: cpu`): read in place, as on a device rank (tests/test_gpu.py)
-    offload = ds_config_for("bfloat16", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    # (pinning them, as the config asks, is a no-op on DeepSpeed's CPU accelerator)
+    offload = ds_config_for("bfloat16", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+                                                                                             "pin_memory": True}}})
     cases.append({"name": "qwen3_moe/offload_param", "path": os.path.join(workdir, "qwen3_moe"), "dtype": "bfloat16",
                   "model_class": "AutoModelForCausalLM", "ds_config": offload,
                   "out": os.path.join(workdir, f"w{world_size}_offload.pt")})

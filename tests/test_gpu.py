@@ -84,17 +84,19 @@ def test_gpu_staging_is_bounded_by_the_budget_and_bit_exact(workdir):
 
 
 def test_gpu_offloaded_partitions_are_read_in_place(workdir):
-    """`offload_param: cpu`: the partitions live on the host, so they are read in place; nothing goes through the
-    staging buffer (no parameter persists on the device with the persistence threshold at 0, and this model loads no
-    buffer), and the gathered state is the plain load's."""
+    """`offload_param: cpu`: the partitions live on the host, page-locked as zero.Init pins them, so they are read in
+    place; nothing goes through the staging buffer (no parameter persists on the device with the persistence
+    threshold at 0, and this model loads no buffer), and the gathered state is the plain load's."""
     path = make_checkpoint(os.path.join(workdir, "gpu_offload_qwen3_moe"), "qwen3_moe", sharded=True)
-    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    zero = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}, "stage3_param_persistence_threshold": 0}
     case = {"name": "offload_param", "path": path, "dtype": "bfloat16", "ds_config": ds_config_for("bfloat16",
             {"zero_optimization": zero}), "out": os.path.join(workdir, "gpu_offload.pt")}
     (dump,) = run_torchrun(1, [case], workdir, env=NCCL)
     got = dump["rank0"]
     assert "error" not in got, got.get("error", {}).get("traceback")
     assert "staging" not in got["report"], got["report"]["staging"]
+    partitions = got["partitions"]
+    assert partitions["devices"] == ["cpu"] and partitions["pinned"] == partitions["count"] > 0, partitions
     ref = _plain(path, torch.bfloat16)
     assert set(got["state"]) == set(ref)
     for name, want in ref.items():
