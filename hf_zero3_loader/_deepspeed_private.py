@@ -4,6 +4,8 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
 - `zero.Init._convert_to_deepspeed_param` only attaches attributes and closures (no allocation, no collective), so an
   un-entered `Init` converts a parameter; we then hand it a partition we allocated (`ds_tensor` and the status
   fields `GatheredParameters` and the engine read).
+- `utils.groups._ZERO_PARAM_INTRA_PARALLEL_GROUP`: the ZeRO++ hpZ group, created by the first `zero.Init` of a process
+  and handed to every later one (it asserts the group is new).
 - `Init.pin_memory`: whether `zero.Init` page-locks host partitions (`offload_param: {device: cpu, pin_memory: true}`);
   ours are pinned the same way.
 - `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
@@ -40,6 +42,15 @@ BUILT_BY_LOADER = "_hf_zero3_loader_built"
 
 # -- ZeRO-3 parameters ---------------------------------------------------------------------------------------------
 
+def _hpz_group():
+    """The ZeRO++ hpZ group (`zero_hpz_partition_size` > 1) an earlier model of this process created, or None.
+    `zero.Init` creates it from the config and asserts it is new, so a second model (a TRL reference model, a second
+    load) must be handed the first one's, as the engine hands it to its optimizer."""
+    from deepspeed.utils import groups
+
+    return groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
+
+
 class ZeroParamFactory:
     """Turns meta parameters into ZeRO-3 parameters whose partition we provide."""
 
@@ -47,7 +58,7 @@ class ZeroParamFactory:
         import deepspeed
 
         # Constructed, never entered: no module patching, no construction hooks.
-        self._init = deepspeed.zero.Init(config_dict_or_path=ds_config)
+        self._init = deepspeed.zero.Init(config_dict_or_path=ds_config, zero_param_parallel_group=_hpz_group())
         self.local_device = torch.device(self._init.local_device)
         # NVMe offload was refused earlier (deepspeed_setup.check_supported); this is the CPU-offload or local device
         remote = str(getattr(self._init.remote_device, "value", self._init.remote_device))

@@ -139,3 +139,20 @@ def test_training_losses_equal_upstream_zero3(workdir):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
     assert ours["rank0"]["losses"] == upstream["rank0"]["losses"]
     assert len(ours["rank0"]["losses"]) == 3
+
+
+def test_zeropp_hpz_second_model_and_training_equal_upstream(workdir):
+    """ZeRO++ hierarchical partitioning (`zero_hpz_partition_size`): `zero.Init` creates its group once per process
+    and asserts it is new. Here transformers' own ZeRO-3 path loads first, then ours loads twice in the same process
+    (a TRL policy and reference model do this): both reuse the group, and training matches upstream's losses."""
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    config = ds_config_for("bfloat16", {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}})
+    cases = [{"name": f"hpz/{variant}", "path": path, "dtype": "bfloat16", "upstream": variant == "upstream",
+              "ds_config": config, "kwargs": {"experts_implementation": "eager"},
+              "out": os.path.join(workdir, f"hpz_{variant}.pt"), **({} if variant == "reference" else {"train_steps": 3})}
+             for variant in ("upstream", "reference", "ours")]
+    dumps = run_torchrun(2, cases, workdir)
+    for case, dump in zip(cases, dumps):
+        assert "error" not in dump["rank0"], f"{case['name']}: {dump['rank0'].get('error', {}).get('traceback')}"
+    upstream, _, ours = dumps
+    assert len(ours["rank0"]["losses"]) == 3 and ours["rank0"]["losses"] == upstream["rank0"]["losses"]
