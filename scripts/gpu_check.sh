@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks, for a session that the `device` tool lends a GPU. The device image has PyTorch, accelerate,
+# safetensors and the hub client, but neither DeepSpeed nor transformers 5.23, and no network; so:
+#   here, once:        bash scripts/gpu_check.sh wheels    # fills .whl/ (git-ignored) with what the image lacks
+#   on the device:     device run, command "bash scripts/gpu_check.sh run tests", carry [".whl"]
+#                      then "bash scripts/gpu_check.sh run bench" (a call may run 10 minutes; `run` does both)
+# `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
+# EP, then cold), keeping every log in $OUT (out/gpu when run by hand). Update the README's GPU section from them.
+# Checked without a GPU: the same wheels (their cp311 builds) over a venv holding the image's packages
+# (transformers 5.17, no pydantic) pass a 2-rank fidelity test and run bench_load.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# What the device image lacks (its pip list: /work/.library/device/KINDS.md), at the versions CI installs here.
+WHEELS=(transformers==5.23.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+        hjson==3.1.0 regex==2026.5.9)
+
+case "${1:-}" in
+  wheels)
+    mkdir -p .whl  # git-ignored (.gitignore)
+    python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl "${WHEELS[@]}"
+    # DeepSpeed publishes only a source archive: build its pure-Python wheel (its ops compile on first use)
+    DS_BUILD_OPS=0 python -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
+    ls -l .whl
+    ;;
+  run)
+    out="${OUT:-out/gpu}"
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    { nvidia-smi; python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__,
+      deepspeed.__version__, torch.cuda.get_device_name())"; } > "$out/versions.txt" 2>&1
+    what="${2:-all}" status=0
+    if [[ "$what" == all || "$what" == tests ]]; then
+      python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" || status=1
+    fi
+    if [[ "$what" == all || "$what" == bench ]]; then
+      python3 scripts/bench_load.py --world-sizes 1 --repeats 2 --ep --workdir /tmp/bench \
+        --json "$out/bench_warm.json" > "$out/bench_warm.log" 2>&1 || status=1
+      python3 scripts/bench_load.py --world-sizes 1 --repeats 2 --cold --workdir /tmp/bench \
+        --json "$out/bench_cold.json" > "$out/bench_cold.log" 2>&1 || status=1
+      tail -n 25 "$out/bench_warm.log" "$out/bench_cold.log"
+    fi
+    exit $status
+    ;;
+  *) echo "usage: bash scripts/gpu_check.sh wheels | run [all|tests|bench]" >&2; exit 2 ;;
+esac
