@@ -398,11 +398,29 @@ def plan_safetensors_file(name: str, tensors: dict[str, tuple[tuple[int, ...], t
 
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 
 
-def find_index(path: str, subfolder: str = "", revision: str | None = None) -> str | None:
+def with_variant(name: str, variant: str | None) -> str:
+    """transformers' file name for a `variant` (its `_add_variant`): model.fp16.safetensors,
+    model.safetensors.index.fp16.json."""
+    if not variant:
+        return name
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{variant}.{suffix}"
+
+
+def weight_file_names(variant: str | None = None, use_safetensors: bool | None = None) -> tuple[list[str], list[str]]:
+    """(index names, single-file names) in the order transformers looks for them: safetensors first, pickles first
+    with `use_safetensors=False`."""
+    order = (1, 0) if use_safetensors is False else (0, 1)
+    return ([with_variant(INDEX_NAMES[i], variant) for i in order], [with_variant(SINGLE_NAMES[i], variant) for i in order])
+
+
+def find_index(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
+               use_safetensors: bool | None = None) -> str | None:
     """The checkpoint's index file, if any, in a local folder or the hub cache (nothing is downloaded)."""
-    for name in INDEX_NAMES:
+    for name in weight_file_names(variant, use_safetensors)[0]:
         local = os.path.join(path, subfolder, name)
         if os.path.isfile(local):
             return local

@@ -203,7 +203,8 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         check_supported(setup)
         if init_context not in ("auto", "meta", "zero.Init"):
             raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
-        index = find_index(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
+        index = find_index(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"), kwargs.get("variant"),
+                           kwargs.get("use_safetensors"))
         if index is not None:  # transformers would fail on a malformed index with a bare KeyError/TypeError
             check_index(index)
         if load_from not in MODES:

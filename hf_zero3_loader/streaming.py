@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .checkpoint import (INDEX_NAMES, SAFETENSORS_DTYPES, Checkpoint, TensorEntry, _open_pickled,
-                         _pickled_fingerprint, _read_header)
+from .checkpoint import (SAFETENSORS_DTYPES, Checkpoint, TensorEntry, _open_pickled, _pickled_fingerprint,
+                         _read_header, weight_file_names)
 from .errors import CheckpointError, ConfigError, LoaderError, PeerFailed
 from .planner.plan import LoadPlan, ReadItem
 
@@ -64,8 +64,10 @@ def node_id() -> str:
     return f"{socket.gethostname()}#{group}" if group is not None else socket.gethostname()
 
 
-def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None) -> tuple[str | None, list[str], str]:
-    """(folder, weight files, "") when this rank can read the whole checkpoint here, else (None, [], why not)."""
+def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
+                     use_safetensors: bool | None = None) -> tuple[str | None, list[str], str]:
+    """(folder, weight files, "") when this rank can read the whole checkpoint here, else (None, [], why not). The
+    files are those transformers will pick (`variant`, `use_safetensors`)."""
     if os.path.isdir(path):
         folder = os.path.join(path, subfolder)
     else:
@@ -78,7 +80,8 @@ def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None, [], f"no config.json in {folder}"
     files = []
-    for index_name in INDEX_NAMES:
+    index_names, single_names = weight_file_names(variant, use_safetensors)
+    for index_name in index_names:
         index = os.path.join(folder, index_name)
         if os.path.isfile(index):
             import json
@@ -87,7 +90,7 @@ def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None
                 files = sorted(os.path.join(folder, v) for v in set(json.load(f).get("weight_map", {}).values()))
             break
     else:
-        for single in ("model.safetensors", "pytorch_model.bin"):
+        for single in single_names:
             if os.path.isfile(os.path.join(folder, single)):
                 files = [os.path.join(folder, single)]
                 break
@@ -250,7 +253,8 @@ def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
 
     from . import log
 
-    folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"))
+    folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"),
+                                             kwargs.get("variant"), kwargs.get("use_safetensors"))
     ep_rank, edp_rank = 0, 0
     if expert_parallel is not None:
         groups = expert_parallel[1]

@@ -24,10 +24,10 @@ STREAMED = {"qwen3_moe": (2, 4), "llama": (2,), "mixtral": (3,)}
 CHUNK = 4096  # smaller than most tensors here: every tensor crosses several chunks
 
 
-def _plain(path: str, dtype=torch.float32) -> dict:
+def _plain(path: str, dtype=torch.float32, variant: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, variant=variant)
     return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
@@ -43,7 +43,7 @@ def _check(case: dict, dump: dict, reference: str, dtype=torch.float32) -> None:
     for r in ranks:
         assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
     state = dump["rank0"]["state"]
-    for name, want in _plain(reference, dtype).items():
+    for name, want in _plain(reference, dtype, case["kwargs"].get("variant")).items():
         assert state[name].dtype == want.dtype and torch.equal(state[name], want), f"{case['name']} {name}"
     total = _checkpoint_bytes(reference)
     readers = [r for r in ranks if r["report"]["stream"]["reads_files"]]
@@ -77,6 +77,21 @@ def test_two_nodes_only_the_first_with_the_files(ckpts, workdir):
     for case, dump in zip(cases, run_nodes(2, 1, cases, workdir)):
         _check(case, dump, case["path_by_node"]["0"], getattr(torch, case["dtype"]))
         assert dump["ranks"][1]["report"]["stream"]["receives_from"] == 0
+
+
+def test_a_variant_checkpoint_streams(ckpts, workdir):
+    """`variant=`: the reader finds the files transformers picks for it (model.ema-0000k-of-0000n.safetensors and
+    model.safetensors.index.ema.json), so the rank without them is streamed its share."""
+    from transformers import AutoModelForCausalLM
+
+    folder = os.path.join(workdir, "qwen3_moe_variant")
+    if not os.path.isdir(folder):
+        AutoModelForCausalLM.from_pretrained(ckpts["qwen"]).save_pretrained(folder, variant="ema", max_shard_size="20KB")
+    case = {"name": "variant", "path_by_node": {"0": folder, "1": NOWHERE}, "dtype": "float32",
+            "kwargs": {"stream_chunk_bytes": CHUNK, "variant": "ema"}, "out": os.path.join(workdir, "stream_variant.pt")}
+    (dump,) = run_nodes(2, 1, [case], workdir)
+    _check(case, dump, folder)
+    assert dump["ranks"][1]["report"]["stream"]["receives_from"] == 0
 
 
 def test_three_nodes_two_without_files_sizes_that_do_not_divide(ckpts, workdir):
