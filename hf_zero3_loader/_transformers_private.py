@@ -4,7 +4,8 @@
   `from_pretrained` builds a meta skeleton instead of entering `zero.Init`.
 - `PreTrainedModel._load_pretrained_model` / `_finalize_model_loading` (staticmethods): replaced for the
   duration of one call, so transformers still resolves files, config, dtype, the conversion mapping and
-  generation config, and we only replace how bytes reach the parameters and how missing keys are set.
+  generation config, and we only replace how bytes reach the parameters and how missing keys are set. A second
+  `_load_pretrained_model` call in that window is `load_adapter`'s (PEFT adapter folders): it goes to the original.
 - `modeling_utils._tied_params_are_equal`: made ZeRO-3 aware (it compares `(0,)` placeholders otherwise).
 - `modeling_utils.safe_save_file` / `split_torch_state_dict_into_shards` (the names `save_pretrained` calls): replaced
   while `save_pretrained` runs on a meta skeleton, so transformers decides every file of a save (keys after reverting
@@ -40,6 +41,7 @@ def replaced_loading(load: Callable, finalize: Callable):
 
     saved_load = PreTrainedModel.__dict__["_load_pretrained_model"]
     saved_finalize = PreTrainedModel.__dict__["_finalize_model_loading"]
+    _originals["load"] = saved_load.__func__
     PreTrainedModel._load_pretrained_model = staticmethod(load)
     PreTrainedModel._finalize_model_loading = staticmethod(finalize)
     try:
@@ -47,6 +49,15 @@ def replaced_loading(load: Callable, finalize: Callable):
     finally:
         PreTrainedModel._load_pretrained_model = saved_load
         PreTrainedModel._finalize_model_loading = saved_finalize
+
+
+_originals: dict[str, Callable] = {}
+
+
+def transformers_load(*args, **kwargs):
+    """transformers' own `_load_pretrained_model`, while ours replaces it: `load_adapter` (an adapter folder given to
+    `from_pretrained`) calls it a second time, to fill the LoRA parameters it just added."""
+    return _originals["load"](*args, **kwargs)
 
 
 @contextmanager

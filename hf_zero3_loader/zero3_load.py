@@ -60,6 +60,8 @@ class Zero3Load:
 
     # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
     def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        if self.reached_load:  # transformers' `load_adapter`: an adapter folder, its base model loaded by us already
+            return self._load_adapter(model, state_dict, checkpoint_files, load_config, expected_keys)
         self.reached_load = True  # the meta skeleton was built
         info, error = None, None
         try:
@@ -69,6 +71,18 @@ class Zero3Load:
         with self.report.phase("agree"):
             self.agreement.check("read checkpoint", error)
         return info, None
+
+    def _load_adapter(self, model, state_dict, checkpoint_files, load_config, expected_keys):
+        """PEFT has just added the adapter's parameters, as plain tensors (as under transformers' own ZeRO-3 path), and
+        transformers fills them with its own loading and the adapter's conversions; every rank reads the (small)
+        adapter. The base model's ZeRO-3 parameters are not in the adapter's files, so nothing touches them."""
+        result, error = (None, None), None
+        try:
+            result = hf_private.transformers_load(model, state_dict, checkpoint_files, load_config, expected_keys)
+        except Exception as e:
+            error = e
+        self.agreement.check("load the adapter", error)
+        return result
 
     def _load(self, model, state_dict, checkpoint_files, load_config):
         if state_dict is not None:

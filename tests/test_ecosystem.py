@@ -1,6 +1,7 @@
 """The ecosystem as users call it: TRL's SFTTrainer(model="<path>") under a real `accelerate launch` (ZeRO-3, bf16)
 trains with `import hf_zero3_loader.auto` exactly as without it, and its `save_model` (and accelerate's) write the
-same files without a gather; MoE blocks whose experts get no tokens on a rank do not hang ZeRO-3."""
+same files without a gather; MoE blocks whose experts get no tokens on a rank do not hang ZeRO-3; a PEFT adapter
+folder loads its base model and its adapter as the plain load does."""
 
 from __future__ import annotations
 
@@ -95,3 +96,44 @@ def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir
                           env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "finetune_moe: 2 steps" in proc.stdout and "ep-meta (ep_size 2" in proc.stdout, proc.stdout[-2000:]
+
+
+def _lora_adapter(workdir: str, family: str) -> str:
+    """A PEFT LoRA adapter folder (adapter_config.json naming its base checkpoint, adapter_model.safetensors), with
+    non-zero LoRA weights so that a missed or misplaced load shows."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = make_checkpoint(os.path.join(workdir, f"lora_base_{family}"), family, sharded=True)
+    folder = os.path.join(workdir, f"lora_{family}")
+    if not os.path.exists(os.path.join(folder, "adapter_config.json")):
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        get_peft_model(model, config).save_pretrained(folder)
+    return folder
+
+
+def test_a_peft_adapter_folder_loads_base_and_adapter_as_the_plain_load(workdir):
+    """`from_pretrained("<adapter folder>")`: transformers loads the base model (ours, into ZeRO-3 partitions), then
+    PEFT adds the LoRA parameters and `load_adapter` fills them through a second loading call, which must leave the
+    base as loaded (it once re-planned the whole model from the adapter's file: every base weight silently zero).
+    Every gathered parameter equals the plain load's, as under transformers' own ZeRO-3 path. (The adapter loads for
+    inference, every parameter frozen, so neither path has anything to train here.)"""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cases = []
+    for family in ("llama_untied", "qwen3_moe"):
+        folder = _lora_adapter(workdir, family)
+        cases += [{"name": f"{family}/{variant}", "path": folder, "dtype": "bfloat16", "upstream": variant == "upstream",
+                   "out": os.path.join(workdir, f"lora_{family}_{variant}.pt")} for variant in ("ours", "upstream")]
+    dumps = run_torchrun(2, cases, workdir)
+    for case, dump in zip(cases, dumps):
+        assert "error" not in dump["rank0"], f"{case['name']}: {dump['rank0'].get('error', {}).get('traceback')}"
+        plain = AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.bfloat16)
+        want = {n: p.detach() for n, p in plain.named_parameters()}
+        got = dump["rank0"]["state"]
+        assert sum("lora_" in n for n in want) == 8 and set(want) <= set(got), case["name"]
+        for name, value in want.items():
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), f"{case['name']} {name}"
