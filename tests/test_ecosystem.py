@@ -98,9 +98,9 @@ def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir
     assert "finetune_moe: 2 steps" in proc.stdout and "ep-meta (ep_size 2" in proc.stdout, proc.stdout[-2000:]
 
 
-def _lora_adapter(workdir: str, family: str) -> str:
+def _lora_adapter(workdir: str, family: str, modules_to_save: list[str] | None = None) -> str:
     """A PEFT LoRA adapter folder (adapter_config.json naming its base checkpoint, adapter_model.safetensors), with
-    non-zero LoRA weights so that a missed or misplaced load shows."""
+    non-zero LoRA weights, and modules saved whole changed from the base, so that a missed or misplaced load shows."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -109,23 +109,29 @@ def _lora_adapter(workdir: str, family: str) -> str:
     folder = os.path.join(workdir, f"lora_{family}")
     if not os.path.exists(os.path.join(folder, "adapter_config.json")):
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        get_peft_model(model, config).save_pretrained(folder)
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save,
+                            init_lora_weights=False)
+        peft_model = get_peft_model(model, config)
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if ".modules_to_save." in name:
+                    param.add_(1.0)
+        peft_model.save_pretrained(folder)
     return folder
 
 
 def test_a_peft_adapter_folder_loads_base_and_adapter_as_the_plain_load(workdir):
     """`from_pretrained("<adapter folder>")`: transformers loads the base model (ours, into ZeRO-3 partitions), then
-    PEFT adds the LoRA parameters and `load_adapter` fills them through a second loading call, which must leave the
-    base as loaded (it once re-planned the whole model from the adapter's file: every base weight silently zero).
-    Every gathered parameter equals the plain load's, as under transformers' own ZeRO-3 path. (The adapter loads for
-    inference, every parameter frozen, so neither path has anything to train here.)"""
+    PEFT adds the LoRA parameters (and a copy of each module saved whole) and `load_adapter` fills them through a
+    second loading call, which must leave the base as loaded (it once re-planned the whole model from the adapter's
+    file: every base weight silently zero). Every gathered parameter equals the plain load's, as under transformers'
+    own ZeRO-3 path. (The adapter loads for inference, every parameter frozen: nothing to train here.)"""
     import torch
     from transformers import AutoModelForCausalLM
 
     cases = []
-    for family in ("llama_untied", "qwen3_moe"):
-        folder = _lora_adapter(workdir, family)
+    for family, modules_to_save in (("llama_untied", ["lm_head"]), ("qwen3_moe", None)):
+        folder = _lora_adapter(workdir, family, modules_to_save)
         cases += [{"name": f"{family}/{variant}", "path": folder, "dtype": "bfloat16", "upstream": variant == "upstream",
                    "out": os.path.join(workdir, f"lora_{family}_{variant}.pt")} for variant in ("ours", "upstream")]
     dumps = run_torchrun(2, cases, workdir)
@@ -135,5 +141,6 @@ def test_a_peft_adapter_folder_loads_base_and_adapter_as_the_plain_load(workdir)
         want = {n: p.detach() for n, p in plain.named_parameters()}
         got = dump["rank0"]["state"]
         assert sum("lora_" in n for n in want) == 8 and set(want) <= set(got), case["name"]
+        assert any(".modules_to_save." in n for n in want) == (case["name"].startswith("llama")), case["name"]
         for name, value in want.items():
             assert got[name].dtype == value.dtype and torch.equal(got[name], value), f"{case['name']} {name}"
