@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 TRANSFORMERS_VERSION_WRITTEN_AGAINST = "5.23"
+_originals: dict[str, Callable] = {}  # transformers' methods while ours replace them
 
 
 @contextmanager
@@ -49,9 +50,6 @@ def replaced_loading(load: Callable, finalize: Callable):
     finally:
         PreTrainedModel._load_pretrained_model = saved_load
         PreTrainedModel._finalize_model_loading = saved_finalize
-
-
-_originals: dict[str, Callable] = {}
 
 
 def transformers_load(*args, **kwargs):

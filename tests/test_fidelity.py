@@ -154,5 +154,10 @@ def test_zeropp_hpz_second_model_and_training_equal_upstream(workdir):
     dumps = run_torchrun(2, cases, workdir)
     for case, dump in zip(cases, dumps):
         assert "error" not in dump["rank0"], f"{case['name']}: {dump['rank0'].get('error', {}).get('traceback')}"
-    upstream, _, ours = dumps
+    upstream, second, ours = dumps
     assert len(ours["rank0"]["losses"]) == 3 and ours["rank0"]["losses"] == upstream["rank0"]["losses"]
+    want = reference(path, "bfloat16", "AutoModelForCausalLM")  # the second model loads bit-exact too
+    assert set(second["rank0"]["state"]) == set(want)
+    for key, value in want.items():
+        got = second["rank0"]["state"][key]
+        assert got.dtype == value.dtype and torch.equal(got, value), key
