@@ -437,6 +437,42 @@ def find_index(path: str, subfolder: str = "", revision: str | None = None, vari
     return None
 
 
+def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
+                     use_safetensors: bool | None = None) -> tuple[str | None, list[str], str]:
+    """(folder, weight files, "") when this rank can read the whole checkpoint here, else (None, [], why not). The
+    files are those transformers will pick (`variant`, `use_safetensors`)."""
+    if os.path.isdir(path):
+        folder = os.path.join(path, subfolder)
+    else:
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = os.path.join(snapshot_download(path, revision=revision, local_files_only=True), subfolder)
+        except Exception:
+            return None, [], f"{path} is neither a folder here nor in the local hub cache"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return None, [], f"no config.json in {folder}"
+    files = []
+    index_names, single_names = weight_file_names(variant, use_safetensors)
+    for index_name in index_names:
+        index = os.path.join(folder, index_name)
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(os.path.join(folder, v) for v in set(json.load(f).get("weight_map", {}).values()))
+            break
+    else:
+        for single in single_names:
+            if os.path.isfile(os.path.join(folder, single)):
+                files = [os.path.join(folder, single)]
+                break
+    if not files:
+        return None, [], f"no weight files found in {folder}"
+    for f in files:
+        if not (os.path.isfile(f) and os.access(f, os.R_OK)):
+            return None, [], f"cannot read {f}"
+    return folder, files, ""
+
+
 def check_index(index_path: str) -> None:
     """An index transformers will follow: JSON with a `weight_map` of tensor name -> shard file name."""
     try:

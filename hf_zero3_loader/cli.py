@@ -13,14 +13,19 @@ import os
 import subprocess
 import sys
 
+from .errors import LoaderError
+
 
 def _ep_candidates(world: int, num_experts: int) -> list[int]:
     return [e for e in range(1, world + 1) if world % e == 0 and num_experts % e == 0]
 
 
 def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds_config: dict | None = None,
-                device_memory: float | None = None, device: str = "cuda", model_class=None, show_ranks: int = 8) -> dict:
-    """Everything `plan` prints, as a dict (what `--json` writes). Reads only the config and the headers."""
+                device_memory: float | None = None, device: str = "cuda", model_class=None, show_ranks: int = 8,
+                load_kwargs: dict | None = None) -> dict:
+    """Everything `plan` prints, as a dict (what `--json` writes). Reads only the config and the headers.
+    `load_kwargs`: where the checkpoint is and which code builds it (subfolder, revision, variant, use_safetensors,
+    trust_remote_code), as given to `from_pretrained`."""
     from .expert_parallel import supported_model_types
     from .planner.inspect import plan_ranks
     from .planner.memory import GiB, predict
@@ -29,12 +34,12 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
     ranks = sorted({*range(min(world_size, show_ranks)), world_size - 1})
     plans, model, checkpoint_, resolution, layout = plan_ranks(checkpoint, world_size, ranks=ranks,
                                                                model_class=model_class, ep_size=ep_size,
-                                                               with_model=True)
+                                                               with_model=True, load_kwargs=load_kwargs)
     from .planner.inspect import meta_skeleton
     from .planner.memory import layer_params
 
     total = sum(e.numel for e in checkpoint_.entries.values())
-    largest_full = layer_params(meta_skeleton(checkpoint, model_class)[0] if layout else model)[0]
+    largest_full = layer_params(meta_skeleton(checkpoint, model_class, **(load_kwargs or {}))[0] if layout else model)[0]
     prediction = predict(plans, model, ds_config, checkpoint_.nbytes, total, largest_full, ep_size or 1, device)
     model_type = getattr(model.config, "model_type", "?")
     warnings = []
@@ -53,7 +58,8 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
             for e in _ep_candidates(world_size, num_experts or 1):
                 if e <= (ep_size or 1):
                     continue
-                trial = plan_report(checkpoint, world_size, e, ds_config, None, device, model_class, show_ranks=1)
+                trial = plan_report(checkpoint, world_size, e, ds_config, None, device, model_class, show_ranks=1,
+                                    load_kwargs=load_kwargs)
                 if trial["train"]["device_bytes"] <= device_memory * GiB:
                     smallest_ep = e
                     break
@@ -86,6 +92,25 @@ def _num_experts(config) -> int | None:
     return None
 
 
+def add_location_arguments(parser) -> None:
+    """The `from_pretrained` keywords that say where the checkpoint is and which code builds it."""
+    group = parser.add_argument_group("checkpoint location (as from_pretrained's keywords)")
+    group.add_argument("--subfolder", default=None, help="the model's folder inside CHECKPOINT")
+    group.add_argument("--revision", default=None, help="hub revision (a repo id in the local hub cache)")
+    group.add_argument("--variant", default=None, help="weight files of a variant, e.g. model.fp16.safetensors")
+    group.add_argument("--no-safetensors", dest="use_safetensors", action="store_const", const=False, default=None,
+                       help="prefer pickled weights (use_safetensors=False)")
+    group.add_argument("--trust-remote-code", action="store_true", help="run the checkpoint's own modeling code")
+
+
+def _load_kwargs(args) -> dict:
+    kwargs = {k: getattr(args, k) for k in ("subfolder", "revision", "variant", "use_safetensors")
+              if getattr(args, k) is not None}
+    if args.trust_remote_code:
+        kwargs["trust_remote_code"] = True
+    return kwargs
+
+
 def _gib(nbytes: int) -> str:
     from .log import size
 
@@ -101,7 +126,7 @@ def _plan(args) -> int:
             ds_config = json.load(f)
     with contextlib.redirect_stdout(sys.stderr):  # libraries' import-time notices must not mix into --json output
         report = plan_report(args.checkpoint, args.world_size, args.ep_size, ds_config, args.device_memory,
-                             args.device, getattr(transformers, args.model_class))
+                             args.device, getattr(transformers, args.model_class), load_kwargs=_load_kwargs(args))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -131,7 +156,8 @@ def _plan(args) -> int:
         print(f"warning: {w}")
     if args.verbose:
         plans = __import__("hf_zero3_loader.planner.inspect", fromlist=["plan_ranks"]).plan_ranks(
-            args.checkpoint, args.world_size, ranks=[args.rank], ep_size=args.ep_size)
+            args.checkpoint, args.world_size, ranks=[args.rank], model_class=getattr(transformers, args.model_class),
+            ep_size=args.ep_size, load_kwargs=_load_kwargs(args))
         for tp in plans[0].tensors.values():
             print(f"  {tp.name:70} {tp.status:10} [{tp.start}:{tp.end}) of {tp.numel} -> {len(tp.reads)} reads")
     return 0
@@ -141,7 +167,8 @@ def _verify(args) -> int:
     from .verify import launch
 
     with contextlib.redirect_stdout(sys.stderr):
-        report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size)
+        report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size,
+                        load_kwargs=_load_kwargs(args))
     if args.json:
         print(json.dumps(report, indent=2))
     elif "error" in report:
@@ -175,6 +202,7 @@ def main(argv=None) -> int:
     plan.add_argument("--rank", type=int, default=0, help="rank whose tensors --verbose lists")
     plan.add_argument("--verbose", action="store_true")
     plan.add_argument("--json", action="store_true")
+    add_location_arguments(plan)
     verify = sub.add_parser("verify", help="a real multi-rank load compared, tensor by tensor, with the plain load")
     verify.add_argument("checkpoint")
     verify.add_argument("--world-size", type=int, required=True)
@@ -182,10 +210,16 @@ def main(argv=None) -> int:
     verify.add_argument("--ep-size", type=int, default=None)
     verify.add_argument("--model-class", default="AutoModelForCausalLM")
     verify.add_argument("--json", action="store_true")
+    add_location_arguments(verify)
     sub.add_parser("bench", help="run scripts/bench_load.py (arguments are passed through)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "plan":
-        return _plan(args)
+        try:
+            return _plan(args)
+        except (OSError, ValueError, LoaderError) as e:  # a checkpoint or an argument we cannot plan: say which
+            hint = (" (--trust-remote-code)" if "trust_remote_code" in str(e) else "")
+            print(f"hf-zero3-loader plan: error: {e}{hint}", file=sys.stderr)
+            return 2
     if args.command == "verify":
         return _verify(args)
     return _bench(args, rest)

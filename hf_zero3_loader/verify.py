@@ -17,8 +17,9 @@ import sys
 
 
 def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_class: str = "AutoModelForCausalLM",
-           ep_size: int | None = None, timeout: float = 3600) -> dict:
-    """Run the verification in `world_size` fresh processes; return rank 0's report."""
+           ep_size: int | None = None, timeout: float = 3600, load_kwargs: dict | None = None) -> dict:
+    """Run the verification in `world_size` fresh processes; return rank 0's report. `load_kwargs` go to both
+    loads (where the checkpoint is and which code builds it: subfolder, revision, variant, trust_remote_code...)."""
     import tempfile
 
     with socket.socket() as s:
@@ -28,7 +29,8 @@ def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_clas
         out = os.path.join(d, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
                "127.0.0.1", "--master_port", str(port), "-m", "hf_zero3_loader.verify", checkpoint, out,
-               "--dtype", dtype, "--model-class", model_class] + (["--ep-size", str(ep_size)] if ep_size else [])
+               "--dtype", dtype, "--model-class", model_class, "--load-kwargs", json.dumps(load_kwargs or {})]
+        cmd += ["--ep-size", str(ep_size)] if ep_size else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         if not os.path.exists(out):
@@ -76,11 +78,12 @@ def _worker(args) -> None:
     if args.ep_size:
         config["expert_parallel"] = {"enabled": True, "autoep_size": args.ep_size}
     model_class = getattr(transformers, args.model_class)
-    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config)
+    load_kwargs = json.loads(args.load_kwargs)
+    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config, **load_kwargs)
     ep = model.hf_zero3_load_report.expert_parallel
     plain = None
     if rank == 0 or ep:  # under EP every rank checks its own experts
-        reference = model_class.from_pretrained(args.checkpoint, dtype=dtype)
+        reference = model_class.from_pretrained(args.checkpoint, dtype=dtype, **load_kwargs)
         plain = {n: t.detach() for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
     problems, compared = [], 0
     for name, p in model.named_parameters():
@@ -125,4 +128,5 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model-class", default="AutoModelForCausalLM")
     ap.add_argument("--ep-size", type=int, default=None)
+    ap.add_argument("--load-kwargs", default="{}", help="JSON: from_pretrained keywords for both loads")
     _worker(ap.parse_args())

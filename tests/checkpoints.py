@@ -73,6 +73,30 @@ def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None
     return dst
 
 
+def remote_code_checkpoint(src: str, dst: str) -> str:
+    """`src` (a Llama checkpoint) as a hub repo with its own modeling code (`auto_map`, loaded with
+    `trust_remote_code=True`): a subclass with a new model type and one extra parameter, saved in the checkpoint."""
+    import json
+    import shutil
+
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    rewrite_checkpoint(src, dst, lambda t: {**t, "extra_scale": torch.arange(3, dtype=torch.float32) + 0.5},
+                       {"model_type": "custom_llama", "architectures": ["CustomForCausalLM"],
+                        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                                     "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}})
+    with open(os.path.join(dst, "configuration_custom.py"), "w") as f:
+        f.write("from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n"
+                "    model_type = 'custom_llama'\n")
+    with open(os.path.join(dst, "modeling_custom.py"), "w") as f:
+        f.write("import torch\nfrom transformers import LlamaForCausalLM\n\nfrom .configuration_custom import "
+                "CustomConfig\n\n\nclass CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n\n"
+                "    def __init__(self, config):\n        super().__init__(config)\n"
+                "        self.extra_scale = torch.nn.Parameter(torch.ones(3))\n        self.post_init()\n")
+    shutil.rmtree(os.path.join(dst, "__pycache__"), ignore_errors=True)
+    return dst
+
+
 def ernie_moe_config():
     from transformers import Ernie4_5_MoeConfig
 

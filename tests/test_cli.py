@@ -94,3 +94,34 @@ def test_verify_compares_a_real_load_with_the_plain_one(workdir):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         report = json.loads(result.stdout)
         assert report["ok"] and report["compared"] >= 27 and not report["problems"], report
+
+
+def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir):
+    """--subfolder, --variant, --no-safetensors, --trust-remote-code: the files and the code `from_pretrained(...)`
+    with the same keywords would use (a hub repo with its own modeling code, a model in a subfolder)."""
+    import shutil
+
+    from tests.checkpoints import remote_code_checkpoint
+
+    llama = make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied")
+    custom = remote_code_checkpoint(llama, os.path.join(workdir, "remote_code"))
+    refused = _cli("plan", custom, "--world-size", "2")
+    assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    result = _cli("plan", custom, "--world-size", "2", "--trust-remote-code", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["model_type"] == "custom_llama" and not report["warnings"], report
+    assert sum(r["bytes_to_read"] for r in report["ranks"]) == report["checkpoint_bytes"]
+
+    root = os.path.join(workdir, "cli_hub_layout")
+    if not os.path.exists(os.path.join(root, "lm")):
+        shutil.copytree(llama, os.path.join(root, "lm"))
+    inner = json.loads(_cli("plan", os.path.join(root, "lm"), "--world-size", "3", "--json").stdout)
+    nested = json.loads(_cli("plan", root, "--subfolder", "lm", "--world-size", "3", "--json").stdout)
+    assert nested["ranks"] == inner["ranks"]
+
+    result = _cli("verify", custom, "--world-size", "2", "--dtype", "float32", "--trust-remote-code", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] and not report["problems"] and report["compared"] >= 13, report

@@ -9,11 +9,13 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 
 import pytest
 import torch
 
-from tests.checkpoints import (ernie_moe_config, make_checkpoint, qwen3_vl_moe_config, rewrite_checkpoint)
+from tests.checkpoints import (ernie_moe_config, make_checkpoint, qwen3_vl_moe_config, remote_code_checkpoint,
+                                rewrite_checkpoint)
 from tests.conftest import run_torchrun
 from tests.families import head_checkpoint
 
@@ -34,6 +36,10 @@ def _mixtral_names(t):
             for k, v in t.items()}
 
 
+def _renamed_prefix(t):  # a checkpoint saved under another prefix, loaded with key_mapping=
+    return {re.sub(r"^model\.", "transformer.", k): v for k, v in t.items()}
+
+
 def _untie(t):
     return {**t, "lm_head.weight": t["lm_head.weight"] + 1.0}
 
@@ -45,6 +51,8 @@ def paths(workdir):
     d = lambda name: os.path.join(workdir, name)  # noqa: E731
     qwen = make_checkpoint(d("qwen3_moe"), "qwen3_moe")
     llama = make_checkpoint(d("llama_untied"), "llama_untied")
+    if not os.path.exists(d("hub_layout/lm")):  # a repo holding the model in a subfolder (subfolder=)
+        shutil.copytree(qwen, d("hub_layout/lm"))
     return {
         "qwen": qwen,
         "llama": llama,
@@ -56,6 +64,9 @@ def paths(workdir):
             make_checkpoint(d("qwen3_vl_moe_src"), "qvl", config=qwen3_vl_moe_config(),
                             model_class=AutoModelForImageTextToText),
             d("qwen3_vl_moe"), _transpose_experts),
+        "qwen_renamed": rewrite_checkpoint(qwen, d("qwen_renamed"), _renamed_prefix),
+        "in_subfolder": d("hub_layout"),
+        "remote_code": remote_code_checkpoint(llama, d("remote_code")),
         "qwen_broken": rewrite_checkpoint(qwen, d("qwen_broken"), _mixtral_names),
         "mamba_rescale": make_checkpoint(d("mamba_rescale"), "mamba", config=_mamba_rescaling_loaded_weights()),
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
@@ -79,6 +90,10 @@ CASES = {
     "missing_experts": ("qwen_missing_experts", "AutoModelForCausalLM", "float32",
                         {"missing_init_budget_bytes": BUDGET, "allow_suspicious_missing_keys": True}, 9),
     "tied_but_different": ("llama_tied_but_different", "AutoModelForCausalLM", "float32", {}, 0),
+    # the loading kwargs a hub user passes, given to both loads
+    "key_mapping": ("qwen_renamed", "AutoModelForCausalLM", "float32", {"key_mapping": {r"^transformer\.": "model."}}, 0),
+    "subfolder": ("in_subfolder", "AutoModelForCausalLM", "bfloat16", {"subfolder": "lm"}, 0),
+    "trust_remote_code": ("remote_code", "AutoModelForCausalLM", "float32", {"trust_remote_code": True}, 0),
     "keep_in_fp32": ("ernie", "AutoModelForCausalLM", "bfloat16", {"keep_in_fp32": True}, 0),
     "keep_in_fp32_default": ("ernie", "AutoModelForCausalLM", "bfloat16", {"experts_implementation": "eager"}, 0),
     "qwen3_vl_moe_transposed": ("qwen3_vl_moe", "AutoModelForImageTextToText", "float32", {}, 0),
@@ -128,6 +143,7 @@ def assert_equal_to_plain(name, dump, path):
 
 
 @pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
+                                  "key_mapping", "subfolder", "trust_remote_code",
                                   "qwen3_vl_moe_transposed", "broken_conversion_opt_out"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])

@@ -2,56 +2,63 @@
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-
 import torch
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint import local_checkpoint, open_checkpoint
 from ..gc_pause import paused_gc
 from .plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
 
 
-def checkpoint_files(folder: str) -> list[str]:
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(folder, s) for s in shards]
-    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no safetensors checkpoint in {folder}")
+# `from_pretrained` keywords that say where the checkpoint is and which code builds it (what `plan` and `verify` accept)
+LOCATION_KWARGS = ("subfolder", "revision", "variant", "use_safetensors", "trust_remote_code")
+
+
+def checkpoint_files(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
+                     use_safetensors: bool | None = None, **_) -> list[str]:
+    """The weight files transformers' `from_pretrained(path, ...)` would load: a local folder or a repo in the local
+    hub cache; the index's shards, else the single file; safetensors first (pickles with `use_safetensors=False`)."""
+    folder, files, why_not = local_checkpoint(path, subfolder or "", revision, variant, use_safetensors)
+    if folder is None:
+        raise FileNotFoundError(f"cannot plan {path}: {why_not}")
     return files
 
 
-def meta_skeleton(folder: str, model_class=None, dtype: torch.dtype | None = None):
-    """The model as transformers builds it before loading: on meta, untied, in `dtype` (default: config's)."""
+def meta_skeleton(path: str, model_class=None, dtype: torch.dtype | None = None, **load_kwargs):
+    """The model as transformers builds it before loading: on meta, untied, in `dtype` (default: config's).
+    `load_kwargs`: any of LOCATION_KWARGS, as given to `from_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(folder)
+    trust = bool(load_kwargs.get("trust_remote_code"))
+    config = AutoConfig.from_pretrained(path, subfolder=load_kwargs.get("subfolder") or "",
+                                        revision=load_kwargs.get("revision"), trust_remote_code=trust)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    model_class = model_class or AutoModelForCausalLM
+    extra = {"trust_remote_code": trust} if model_class.__name__.startswith("Auto") else {}
     with torch.device("meta"):
-        model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
+        model = model_class.from_config(config, dtype=dtype, **extra)
     return model, dtype
 
 
-def plan_ranks(folder: str, world_size: int, ranks=None, model_class=None, dtype=None, ep_size: int | None = None,
-               with_model: bool = False):
+def plan_ranks(path: str, world_size: int, ranks=None, model_class=None, dtype=None, ep_size: int | None = None,
+               with_model: bool = False, load_kwargs: dict | None = None):
     """Each rank's plan, outside a distributed job (no data read). With `ep_size`, the model's MoE blocks become
     AutoEP layers (as a load with expert parallelism makes them) and EP ranks are laid out as DeepSpeed lays them
-    out by default (EP groups of consecutive ranks). The checkpoint is resolved once for all ranks."""
+    out by default (EP groups of consecutive ranks). The checkpoint is resolved once for all ranks. `load_kwargs`:
+    any of LOCATION_KWARGS, as given to `from_pretrained`."""
+    unknown = set(load_kwargs or {}) - set(LOCATION_KWARGS)
+    if unknown:
+        raise TypeError(f"plan_ranks: unsupported from_pretrained keywords {sorted(unknown)}; planned: {LOCATION_KWARGS}")
     with paused_gc():
-        return _plan_ranks(folder, world_size, ranks, model_class, dtype, ep_size, with_model)
+        return _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs or {})
 
 
-def _plan_ranks(folder, world_size, ranks, model_class, dtype, ep_size, with_model):
+def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    model, dtype = meta_skeleton(folder, model_class, dtype)
-    checkpoint = open_checkpoint(checkpoint_files(folder))
+    model, dtype = meta_skeleton(path, model_class, dtype, **load_kwargs)
+    checkpoint = open_checkpoint(checkpoint_files(path, **load_kwargs))
     mapping = get_model_conversion_mapping(model)
     resolution = resolve_checkpoint(model, checkpoint, mapping, model._get_dtype_plan(dtype))
     layout = None
