@@ -142,13 +142,30 @@ def from_pretrained(
                             strict_dtype=strict_dtype, staging_bytes=staging_bytes)
     finally:
         agreement.close()
-    report = (model[0] if isinstance(model, tuple) else model).hf_zero3_load_report
+    target = model[0] if isinstance(model, tuple) else model
+    keep_zero3_visible_to_transformers(target, setup)
+    report = target.hf_zero3_load_report
     report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
     report.seconds = time.perf_counter() - start - init_distributed_s
     log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %s%s", pretrained_model_name_or_path,
              report.world_size, report.seconds, report.init_context, report.reason, log.size(report.read.bytes_read),
              f", received {log.size(report.stream['bytes_received'])}" if report.stream else "")
     return model
+
+
+def keep_zero3_visible_to_transformers(model, setup) -> None:
+    """transformers' ZeRO-3-aware code after a load asks `is_deepspeed_zero3_enabled()`: `resize_token_embeddings`
+    gathers the old embedding and builds the new one under `zero.Init` (else it fails on the partitioned weight),
+    `generate` sets `synced_gpus` so ranks that finish early keep joining the gathers (else they hang), PEFT gathers
+    what it reads. That answer is a weak reference to an `HfDeepSpeedConfig` someone keeps alive (the Trainer and
+    accelerate do; a user of transformers' own ZeRO-3 path must). A load given its config another way (`ds_config=`,
+    the `accelerate launch` environment) leaves none, so the model keeps one: the process sees ZeRO-3 while a model
+    loaded into ZeRO-3 partitions lives, as it does on transformers' own path."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import deepspeed_config
+
+    if deepspeed_config() is None:
+        model._hf_zero3_deepspeed_config = HfDeepSpeedConfig(setup.config)
 
 
 def _launched_distributed() -> bool:

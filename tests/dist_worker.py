@@ -253,6 +253,12 @@ def run_case(case: dict) -> dict:
         result["staging_largest_allocation_bytes"] = staged_largest.largest_bytes
         loader_module.run_staged_reads = real_staged
     result["training"] = model.training
+    if case.get("resize_to"):  # transformers' ZeRO-3-aware resize: gathers the old embedding, builds under zero.Init
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        result["zero3_visible"] = is_deepspeed_zero3_enabled()
+        torch.manual_seed(case.get("seed", 0))
+        model.resize_token_embeddings(case["resize_to"])
     partitions = [p.ds_tensor for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
     result["partitions"] = {"devices": sorted({str(t.device) for t in partitions}),
                             "pinned": sum(t.is_pinned() for t in partitions), "count": len(partitions)}
@@ -267,6 +273,14 @@ def run_case(case: dict) -> dict:
                                         case.get("seq_len", 12))
         if case.get("checkpoint_roundtrip"):
             result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
+    if case.get("generate"):  # each rank asks for a different length: generate must keep the ranks in step
+        engine = engine if case.get("train_steps") else initialize(model, ds_config, result)
+        engine.module.eval()
+        ids = torch.tensor([[1, 2, 3 + dist.get_rank()]]).to(engine.device)
+        with torch.no_grad():
+            out = engine.module.generate(ids, max_new_tokens=2 + 3 * dist.get_rank(), do_sample=False,
+                                         pad_token_id=0)
+        result["generated"] = out.cpu().tolist()
     if case.get("save"):
         save_case(case, engine if case.get("train_steps") else model, model, result)
     return result

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from tests.checkpoints import add_word_tokenizer, ep_config, make_checkpoint, trainable_moe_config
 from tests.conftest import run_torchrun
 from tests.test_accelerate import accelerate_launch
@@ -144,3 +146,34 @@ def test_a_peft_adapter_folder_loads_base_and_adapter_as_the_plain_load(workdir)
         assert any(".modules_to_save." in n for n in want) == (case["name"].startswith("llama")), case["name"]
         for name, value in want.items():
             assert got[name].dtype == value.dtype and torch.equal(got[name], value), f"{case['name']} {name}"
+
+
+def test_transformers_zero3_aware_methods_work_after_a_load_given_its_config_directly(workdir):
+    """`ds_config=` leaves transformers no `HfDeepSpeedConfig` to ask, so `is_deepspeed_zero3_enabled()` said False
+    after our load: `resize_token_embeddings` failed on the partitioned weight (adding tokens, as TRL's chat set-up
+    does), and `generate` left `synced_gpus` off, so a rank that finished first stopped joining the gathers and its
+    peer hung. The model now keeps one alive. Resizing (tied and untied), training and a generation of a different
+    length on each rank (every parameter gathered: no persistent ones) equal transformers' own ZeRO-3 path."""
+    from tests.dist_worker import ds_config_for
+
+    config = ds_config_for("float32", {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    cases = []
+    for family in ("llama_untied", "llama_tied"):
+        path = make_checkpoint(os.path.join(workdir, family), family)
+        cases += [{"name": f"{family}/{variant}", "path": path, "dtype": "float32", "upstream": variant == "upstream",
+                   "ds_config": config, "seed": 3, "resize_to": 117, "train_steps": 2, "generate": True,
+                   "out": os.path.join(workdir, f"resize_{family}_{variant}.pt")} for variant in ("ours", "upstream")]
+    dumps = dict(zip((c["name"] for c in cases), run_torchrun(2, cases, workdir, timeout=600)))
+    for family in ("llama_untied", "llama_tied"):
+        ours, upstream = dumps[f"{family}/ours"], dumps[f"{family}/upstream"]
+        for dump in (ours, upstream):
+            assert all("error" not in r for r in dump["ranks"]), [r.get("error") for r in dump["ranks"]]
+        assert [r["zero3_visible"] for r in ours["ranks"]] == [True, True]
+        got, want = ours["rank0"]["state"], upstream["rank0"]["state"]
+        assert set(got) == set(want) and got["model.embed_tokens.weight"].shape[0] == 117
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), f"{family} {name}"
+        assert ours["rank0"]["losses"] == upstream["rank0"]["losses"]
+        generated = [r["generated"] for r in ours["ranks"]]
+        assert generated == [r["generated"] for r in upstream["ranks"]]
+        assert [len(g[0]) for g in generated] == [3 + 2, 3 + 5]
