@@ -125,7 +125,8 @@ def verification() -> dict:
     cases_by_path = {"qwen": "qwen3_moe", "llama": "llama", "qwen_missing_experts": "qwen3_moe",
                      "llama_tied_but_different": "llama", "ernie": "ernie4_5_moe", "qwen3_vl_moe": "qwen3_vl_moe",
                      "qwen_broken": "qwen3_moe", "mamba_rescale": "mamba",
-                     "shieldgemma2": "shieldgemma2"}
+                     "shieldgemma2": "shieldgemma2", "qwen_renamed": "qwen3_moe", "in_subfolder": "qwen3_moe",
+                     "remote_code": "llama"}
     for name, (path, *_rest) in test_missing_and_guards.CASES.items():
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")
@@ -183,7 +184,7 @@ def render() -> dict[str, str]:
               "(`tests/test_families.py`):", "",
               ", ".join(f"`{t}`" for t in families.SWEEP), ""]
     if families.NOT_BUILT:
-        index += ["Not in the sweep (their configs refuse small sizes): " +
+        index += ["The other causal-LM model types of transformers 5.23, and why they are not in this sweep: " +
                   "; ".join(f"`{t}` ({why})" for t, why in families.NOT_BUILT.items()) + ".", ""]
     heads = sum(len(types) for types in families.HEAD_SWEEP.values())
     index += [f"## The head sweep ({heads} model types)", "",
