@@ -66,6 +66,7 @@ def _worker(args) -> None:
     import transformers
 
     import hf_zero3_loader
+    from hf_zero3_loader import _transformers_private as hf_private
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -83,7 +84,8 @@ def _worker(args) -> None:
     ep = model.hf_zero3_load_report.expert_parallel
     plain = None
     if rank == 0 or ep:  # under EP every rank checks its own experts
-        reference = model_class.from_pretrained(args.checkpoint, dtype=dtype, **load_kwargs)
+        with hf_private.hidden_hf_zero3():  # the plain load, though our ZeRO-3 model keeps transformers' config alive
+            reference = model_class.from_pretrained(args.checkpoint, dtype=dtype, **load_kwargs)
         plain = {n: t.detach() for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
     problems, compared = [], 0
     for name, p in model.named_parameters():
