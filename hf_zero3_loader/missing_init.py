@@ -7,7 +7,9 @@ single-process load does) but gather only the uninitialised parameters of consec
 `budget_bytes` at a time; `GatheredParameters(modifier_rank=0)` then broadcasts rank 0's values and
 re-partitions. At no moment is more than max(budget, largest missing parameter) gathered, except for a module
 whose init draws random numbers outside transformers' init functions (Mamba's mixer): its missing params are
-gathered together, since initialising them one at a time would draw those numbers once per param.
+gathered together, since initialising them one at a time would draw those numbers once per param; and a module whose
+init fills a slice of a *loaded* param outside the guarded init functions (a padding row zeroed on every load, as
+Funnel's, Chinese-CLIP's, Youtu's and BLT's inits do): that param is gathered to replay the write the plain load keeps.
 """
 
 from __future__ import annotations
@@ -154,24 +156,95 @@ def _plan_chunks(model, budget_bytes: int):
     return steps
 
 
+# The one value every stand-in holds (exact in bf16, fp16 and fp32): a fill or zero written into a stand-in, or into a
+# slice of it, changes it; no init writes exactly this.
+SENTINEL = -(2.0 ** -15)
+
+
+class StandIns:
+    """Partitioned params of the modules being initialised, shown with their logical shape (see `logical_shapes`). All
+    stand-ins of one dtype are views of one element holding SENTINEL, so `written()` tells, in one comparison per dtype,
+    whether an init has filled any of them (which the expanded view allows, unlike other in-place ops)."""
+
+    def __init__(self):
+        self.swapped: dict[int, tuple] = {}  # id(param) -> (param, its real data)
+        self.cells: dict[torch.dtype, torch.Tensor] = {}
+
+    def swap(self, param) -> None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        if id(param) in self.swapped or getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
+            return
+        cell = self.cells.get(param.dtype)
+        if cell is None:
+            cell = self.cells[param.dtype] = torch.full((1,), SENTINEL, dtype=param.dtype, device=param.data.device)
+        self.swapped[id(param)] = (param, param.data)
+        param.data = cell.expand(param.ds_shape)
+
+    def written(self) -> bool:
+        """Whether an init wrote into a stand-in since the last call (and re-arm)."""
+        hit = False
+        for cell in self.cells.values():
+            if cell.item() != SENTINEL:
+                hit = True
+                cell.fill_(SENTINEL)
+        return hit
+
+    def loaded_params_under(self, module) -> list:
+        return [p for p in module.parameters() if id(p) in self.swapped and getattr(p, "_is_hf_initialized", False)]
+
+    def restore(self) -> None:
+        for param, data in self.swapped.values():
+            param.data = data
+        self.swapped.clear()
+
+
 @contextmanager
 def logical_shapes(modules):
-    """While `_init_weights` runs on these modules, their partitioned (not gathered) params show their logical shape:
-    an init that reads `weight.shape` before its guarded write (RoFormer's sinusoidal positions, RWKV) sees what a
-    plain load shows. The stand-in is one element expanded, so a write into it fails loudly, never silently."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    swapped = []
+    """While `_init_weights` runs on these modules, their partitioned (not gathered) params, and their descendants',
+    show their logical shape: an init that reads `weight.shape` before its guarded write (RoFormer's sinusoidal
+    positions, RWKV) sees what a plain load shows. The stand-in is one element expanded, so a write into it fails
+    loudly (random draws, copies, arithmetic) or is seen by `StandIns.written` (fills)."""
+    stand_ins = StandIns()
     for module, _ in modules:
-        for p in module.parameters(recurse=False):
-            if hasattr(p, "ds_shape") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                swapped.append((p, p.data))
-                p.data = torch.empty(1, dtype=p.dtype, device=p.data.device).expand(p.ds_shape)
+        for p in module.parameters():
+            stand_ins.swap(p)
     try:
-        yield
+        yield stand_ins
     finally:
-        for p, data in swapped:
-            p.data = data
+        stand_ins.restore()
+
+
+def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitStats) -> None:
+    """`owner._init_weights(module)` filled a slice of a loaded parameter outside transformers' guarded init functions
+    (Funnel's and Chinese-CLIP's embeddings, Youtu's and BLT's: `init.zeros_(weight[padding_idx])`, a slice that has
+    lost the loaded flag). A plain load keeps that write, so it is replayed: the loaded parameters under the module
+    gathered for real, every tensor under it flagged as initialised so the guarded functions skip it (and draw
+    nothing), random draws outside them forked away. Only writes that bypass the guard land."""
+    import deepspeed
+
+    loaded = stand_ins.loaded_params_under(module)
+    if not loaded:
+        return
+    flagged = [t for t in (*module.parameters(), *module.buffers()) if not getattr(t, "_is_hf_initialized", False)]
+    for t in flagged:
+        t._is_hf_initialized = True
+    cells = [stand_ins.swapped[id(p)] for p in loaded]
+    stats.gathers.append(sum(_nbytes(p) for p in loaded))
+    for p, data in cells:  # the real (empty) local data, for DeepSpeed to gather into
+        p.data = data
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    try:
+        with deepspeed.zero.GatheredParameters(loaded, modifier_rank=0), torch.random.fork_rng(devices=devices):
+            owner._init_weights(module)
+    finally:
+        for t in flagged:
+            del t._is_hf_initialized
+        for p, _ in cells:  # back to the stand-in for the rest of this step
+            p.data = stand_ins.cells[p.dtype].expand(p.ds_shape)
+    log.debug("missing-key init: %s._init_weights(%s) writes into loaded %s outside the guarded init functions; "
+              "replayed as a plain load keeps it", type(owner).__name__, type(module).__name__,
+              ", ".join(str(tuple(p.ds_shape)) for p in loaded))
 
 
 @contextmanager
@@ -202,7 +275,7 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
             gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else nullcontext()
             if params:
                 stats.gathers.append(sum(_nbytes(p) for p in params))
-            with gather, logical_shapes(modules):
+            with gather, logical_shapes(modules) as stand_ins:
                 if alone is not None:  # the module's other missing params are skipped by the guarded init
                     (module, owner), (alone, group) = modules[0], alone
                     others = [p for p in group if p is not alone]
@@ -214,8 +287,12 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
                     finally:
                         for p in others:
                             del p._is_hf_initialized
+                    if stand_ins.written():
+                        _replay_writes_into_loaded(module, owner, stand_ins, stats)
                     continue
                 for module, owner in modules:
                     with _explained_in_place_writes(model, module, owner):
                         owner._initialize_weights(module, is_custom_code)
+                    if stand_ins.written():
+                        _replay_writes_into_loaded(module, owner, stand_ins, stats)
     return stats

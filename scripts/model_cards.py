@@ -126,7 +126,7 @@ def verification() -> dict:
                      "llama_tied_but_different": "llama", "ernie": "ernie4_5_moe", "qwen3_vl_moe": "qwen3_vl_moe",
                      "qwen_broken": "qwen3_moe", "mamba_rescale": "mamba",
                      "shieldgemma2": "shieldgemma2", "qwen_renamed": "qwen3_moe", "in_subfolder": "qwen3_moe",
-                     "remote_code": "llama"}
+                     "remote_code": "llama", "youtu_padding": "youtu"}
     for name, (path, *_rest) in test_missing_and_guards.CASES.items():
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")

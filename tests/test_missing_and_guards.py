@@ -69,9 +69,18 @@ def paths(workdir):
         "remote_code": remote_code_checkpoint(llama, d("remote_code")),
         "qwen_broken": rewrite_checkpoint(qwen, d("qwen_broken"), _mixtral_names),
         "mamba_rescale": make_checkpoint(d("mamba_rescale"), "mamba", config=_mamba_rescaling_loaded_weights()),
+        "youtu_padding": make_checkpoint(d("youtu_padding"), "youtu", config=_youtu_with_padding()),
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
         "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
     }
+
+
+def _youtu_with_padding():
+    from tests.families import small_config
+
+    config = small_config("youtu")
+    config.pad_token_id = 3  # its init zeroes that row of the loaded embedding, through a slice past the loaded flag
+    return config
 
 
 def _mamba_rescaling_loaded_weights():
@@ -91,7 +100,8 @@ CASES = {
                         {"missing_init_budget_bytes": BUDGET, "allow_suspicious_missing_keys": True}, 9),
     "tied_but_different": ("llama_tied_but_different", "AutoModelForCausalLM", "float32", {}, 0),
     # the loading kwargs a hub user passes, given to both loads
-    "key_mapping": ("qwen_renamed", "AutoModelForCausalLM", "float32", {"key_mapping": {r"^transformer\.": "model."}}, 0),
+    "key_mapping": ("qwen_renamed", "AutoModelForCausalLM", "float32",
+                    {"key_mapping": {r"^transformer\.": "model."}}, 0),
     "subfolder": ("in_subfolder", "AutoModelForCausalLM", "bfloat16", {"subfolder": "lm"}, 0),
     "trust_remote_code": ("remote_code", "AutoModelForCausalLM", "float32", {"trust_remote_code": True}, 0),
     "keep_in_fp32": ("ernie", "AutoModelForCausalLM", "bfloat16", {"keep_in_fp32": True}, 0),
@@ -100,6 +110,9 @@ CASES = {
     "broken_conversion": ("qwen_broken", "AutoModelForCausalLM", "float32", {}, 0),
     "broken_conversion_opt_out": ("qwen_broken", "AutoModelForCausalLM", "float32",
                                   {"allow_suspicious_missing_keys": True}, 3),
+    # a plain load zeroes the loaded padding row (an unguarded write into a slice): replayed into the partitions
+    "init_zeroes_loaded_padding_row": ("youtu_padding", "AutoModelForCausalLM", "float32",
+                                       {"missing_init_budget_bytes": BUDGET}, 0),
     "init_writes_loaded_param": ("mamba_rescale", "AutoModelForCausalLM", "float32", {}, 0),
     "prefix_not_mapped": ("shieldgemma2", "AutoModelForImageTextToText", "float32", {}, 0),
 }
@@ -143,7 +156,7 @@ def assert_equal_to_plain(name, dump, path):
 
 
 @pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
-                                  "key_mapping", "subfolder", "trust_remote_code",
+                                  "key_mapping", "subfolder", "trust_remote_code", "init_zeroes_loaded_padding_row",
                                   "qwen3_vl_moe_transposed", "broken_conversion_opt_out"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
