@@ -206,9 +206,14 @@ def logical_shapes(modules):
     positions, RWKV) sees what a plain load shows. The stand-in is one element expanded, so a write into it fails
     loudly (random draws, copies, arithmetic) or is seen by `StandIns.written` (fills)."""
     stand_ins = StandIns()
+    listed = {id(module) for module, _ in modules}
     for module, _ in modules:
-        for p in module.parameters():
+        for p in module.parameters(recurse=False):
             stand_ins.swap(p)
+        for child in module.children():  # a subtree initialised in another step (or not at all) is reachable too
+            if id(child) not in listed:
+                for p in child.parameters():
+                    stand_ins.swap(p)
     try:
         yield stand_ins
     finally:
