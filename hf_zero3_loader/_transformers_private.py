@@ -23,6 +23,30 @@ TRANSFORMERS_VERSION_WRITTEN_AGAINST = "5.23"
 _originals: dict[str, Callable] = {}  # transformers' methods while ours replace them
 
 
+def live_hf_deepspeed_config():
+    """The `HfDeepSpeedConfig` transformers consults now (its module-level weak reference), or None."""
+    import transformers.integrations.deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    return ref() if ref is not None else None
+
+
+@contextmanager
+def hf_zero3_config(config: dict):
+    """transformers sees ZeRO-3 with `config` for the duration, through an `HfDeepSpeedConfig` held here: not a weak
+    reference to someone else's object, which the garbage collector may drop mid-load (then transformers builds the
+    model under zero.Init and loads it as if ZeRO-3 were off). Afterwards it sees what it saw before."""
+    import transformers.integrations.deepspeed as hf_ds
+    from transformers.integrations import HfDeepSpeedConfig
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    held = HfDeepSpeedConfig(config)
+    try:
+        yield held
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
 @contextmanager
 def hidden_hf_zero3():
     import transformers.integrations.deepspeed as hf_ds

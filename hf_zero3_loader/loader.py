@@ -162,10 +162,12 @@ def keep_zero3_visible_to_transformers(model, setup) -> None:
     the `accelerate launch` environment) leaves none, so the model keeps one: the process sees ZeRO-3 while a model
     loaded into ZeRO-3 partitions lives, as it does on transformers' own path."""
     from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import deepspeed_config
 
-    if deepspeed_config() is None:
-        model._hf_zero3_deepspeed_config = HfDeepSpeedConfig(setup.config)
+    live = hf_private.live_hf_deepspeed_config()
+    if live is None or getattr(live, "_hf_zero3_loader_owned", False):  # none, or another loaded model's: take it over
+        held = HfDeepSpeedConfig(setup.config)
+        held._hf_zero3_loader_owned = True
+        model._hf_zero3_deepspeed_config = held
 
 
 def _launched_distributed() -> bool:
@@ -300,19 +302,13 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
 
 def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason):
     """The fallback: transformers' own ZeRO-3 path (zero.Init, rank 0 reads, gathers and broadcasts)."""
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import deepspeed_config, unset_hf_deepspeed_config
-
     log.warning("init context 'zero.Init' (%s): using transformers' ZeRO-3 path", reason)
-    own_config = HfDeepSpeedConfig(setup.config) if deepspeed_config() is None else None
     error, model = None, None
     try:
-        model = model_class.from_pretrained(path, *model_args, **kwargs)
+        with hf_private.hf_zero3_config(setup.config):  # this load's config, held for its whole duration
+            model = model_class.from_pretrained(path, *model_args, **kwargs)
     except Exception as e:
         error = e
-    finally:
-        if own_config is not None:
-            unset_hf_deepspeed_config()
     agreement.check("finish load (zero.Init)", error)
     import torch.distributed as dist
 
