@@ -65,7 +65,7 @@ def _init_touches(module, owner) -> InitTouches | None:
     """A dry run of `owner._init_weights(module)` with recording stand-ins for the init functions, under a forked RNG:
     nothing is written or drawn. None if it cannot run that way."""
     recorded: list = []
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = _rng_devices()
     try:
         with torch.random.fork_rng(devices=devices), logical_shapes([(m, owner) for m in module.modules()]):
             before = _rng_states(devices)
@@ -76,6 +76,11 @@ def _init_touches(module, owner) -> InitTouches | None:
         return None
     params = _distinct([t for t in recorded if isinstance(t, torch.nn.Parameter) and _needs_gather(t)])
     return InitTouches(params, any(not torch.equal(a, b) for a, b in zip(before, after)))
+
+
+def _rng_devices() -> list:
+    """The CUDA device whose generator an init may draw from (forked with the CPU's), if CUDA is in use."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
 
 
 def _rng_states(devices: list) -> list:
@@ -238,7 +243,7 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
     stats.gathers.append(sum(_nbytes(p) for p in loaded))
     for p, data in cells:  # the real (empty) local data, for DeepSpeed to gather into
         p.data = data
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    devices = _rng_devices()
     try:
         with deepspeed.zero.GatheredParameters(loaded, modifier_rank=0), torch.random.fork_rng(devices=devices):
             owner._init_weights(module)

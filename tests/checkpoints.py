@@ -76,9 +76,6 @@ def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None
 def remote_code_checkpoint(src: str, dst: str) -> str:
     """`src` (a Llama checkpoint) as a hub repo with its own modeling code (`auto_map`, loaded with
     `trust_remote_code=True`): a subclass with a new model type and one extra parameter, saved in the checkpoint."""
-    import json
-    import shutil
-
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     rewrite_checkpoint(src, dst, lambda t: {**t, "extra_scale": torch.arange(3, dtype=torch.float32) + 0.5},
@@ -93,7 +90,6 @@ def remote_code_checkpoint(src: str, dst: str) -> str:
                 "CustomConfig\n\n\nclass CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n\n"
                 "    def __init__(self, config):\n        super().__init__(config)\n"
                 "        self.extra_scale = torch.nn.Parameter(torch.ones(3))\n        self.post_init()\n")
-    shutil.rmtree(os.path.join(dst, "__pycache__"), ignore_errors=True)
     return dst
 
 
