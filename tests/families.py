@@ -91,47 +91,67 @@ NOT_BUILT: dict[str, str] = {
     "gemma4_unified": "a multimodal wrapper of gemma4_text, which is swept",
     "gemma4_unified_assistant": "a draft model: its config validator refuses the small layout",
     "marian": "a translation decoder; encoder-decoders are in the head sweep",
-    "mllama": "the causal-LM class takes its text config only, not the composite one",
+    "mllama": "the causal-LM class takes its text config only; swept as a vision-language model in the head sweep",
     "musicgen": "an audio decoder with a composite config",
     "musicgen_melody": "an audio decoder with a composite config",
     "phi4_multimodal": "its vision and audio towers keep their sizes: 870M parameters when shrunk",
     "roc_bert": "13.5M parameters when shrunk: pronunciation and shape vocabularies",
-    "whisper": "a speech decoder; encoder-decoders are in the head sweep",
+    "whisper": "a speech decoder; swept whole in the head sweep (speech recognition, audio classification)",
     "xlnet": "no position limit to shrink: its config refuses max_position_embeddings",
 }
 
 
 # The other heads people fine-tune under ZeRO-3: vision-language models, encoder-decoders, sequence classifiers
-# (reward models). Every model type of these auto classes that builds small from its own config, with its
-# sub-configs (vision, audio, encoder, decoder) shrunk as well, to under 3M parameters.
+# (reward models), masked LMs, speech recognition (encoder-decoder and CTC), audio and image classifiers. Every model
+# type of these auto classes that builds small from its own config, with its sub-configs (vision, audio, encoder,
+# decoder) shrunk as well, to under 6M parameters. Masked LMs keep their configs' tied decoder (as they are used); the
+# other heads are untied, so that every weight is read on its own.
 HEAD_SWEEP = {
+    "AutoModelForAudioClassification": (
+        "audio-spectrogram-transformer", "wav2vec2-bert", "wav2vec2-conformer", "whisper"),
+    "AutoModelForCTC": (
+        "data2vec-audio", "hubert", "lasr_ctc", "parakeet_ctc", "sew", "sew-d", "unispeech", "unispeech-sat",
+        "wav2vec2", "wavlm"),
+    "AutoModelForImageClassification": (
+        "clip", "data2vec-vision", "ijepa", "metaclip_2", "mobilenet_v2", "pp_lcnet", "siglip", "siglip2", "vit",
+        "vit_msn"),
     "AutoModelForImageTextToText": (
-        "aria", "aya_vision", "blip", "blip-2", "cosmos3_omni", "deepseek_vl", "exaone4_5", "fuyu", "gemma3", "git",
-        "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "hyperclovax_vision_v2", "idefics", "idefics2",
-        "idefics3", "instructblip", "instructblipvideo", "internvl", "kimi_k25", "lfm2_vl", "lighton_ocr", "llava",
-        "llava_next", "llava_next_video", "llava_onevision", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "mistral3",
-        "mistral4", "ovis2", "paddleocr_vl", "paligemma", "pi0", "pix2struct", "pp_chart2table", "qianfan_ocr",
-        "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker",
-        "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm", "udop", "video_llama_3", "video_llava",
-        "vipllava"),
+        "aria", "aya_vision", "blip", "blip-2", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "exaone4_5", "fuyu",
+        "gemma3", "git", "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "granite_docling",
+        "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3", "instructblip", "instructblipvideo", "internvl",
+        "kimi_k25", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video", "llava_onevision",
+        "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "mistral3", "mistral4", "mllama", "ovis2", "paddleocr_vl",
+        "paligemma", "pi0", "pix2struct", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl",
+        "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp",
+        "shieldgemma2", "smolvlm", "udop", "video_llama_3", "video_llava", "vipllava"),
+    "AutoModelForMaskedLM": (
+        "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
+        "electra", "ernie", "eurobert", "fnet", "gte", "ibert", "jina_embeddings_v3", "layoutlm", "longformer", "mbart",
+        "megatron-bert", "modernbert", "modernvbert", "mpnet", "mra", "mvp", "nomic_bert", "nystromformer", "rembert",
+        "roberta", "roberta-prelayernorm", "roformer", "tapas", "ultrabert", "ultravbert", "xlm-roberta",
+        "xlm-roberta-xl", "xmod", "yoso"),
     "AutoModelForSeq2SeqLM": (
         "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "fsmt", "glmasr", "led",
-        "longt5", "m2m_100", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo", "mvp", "nllb-moe", "pegasus",
-        "pegasus_x", "plbart", "prophetnet", "qwen2_audio", "qwen3_asr", "seamless_m4t", "seamless_m4t_v2",
+        "longt5", "m2m_100", "marian", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo", "mvp", "nllb-moe",
+        "pegasus", "pegasus_x", "plbart", "prophetnet", "qwen2_audio", "qwen3_asr", "seamless_m4t", "seamless_m4t_v2",
         "switch_transformers", "t5", "umt5", "voxtral", "voxtral_realtime"),
     "AutoModelForSequenceClassification": (
         "albert", "arcee", "axk1", "bart", "bert", "big_bird", "bigbird_pegasus", "biogpt", "bloom", "camembert",
         "canine", "convbert", "data2vec-text", "deberta", "deberta-v2", "deepseek_v2", "deepseek_v3", "doge", "electra",
-        "ernie", "exaone4", "falcon", "fnet", "funnel", "gemma", "gemma2", "gemma3", "gemma3_text", "gpt_neox",
-        "gpt_oss", "gte", "helium", "ibert", "jamba", "jetmoe", "jina_embeddings_v3", "layoutlm", "layoutlmv3", "lilt",
-        "llama", "longformer", "markuplm", "mbart", "megatron-bert", "minicpm3", "minimax", "ministral3", "mistral",
-        "mistral4", "mixtral", "mobilebert", "mpnet", "mpt", "mra", "mt5", "mvp", "nomic_bert", "nystromformer", "olmo",
-        "olmo2", "olmo3", "opt", "persimmon", "phi", "phimoe", "plbart", "qwen2", "qwen2_moe", "qwen3", "qwen3_5",
-        "qwen3_5_text", "qwen3_moe", "qwen3_next", "rembert", "roberta", "roberta-prelayernorm", "roformer", "seed_oss",
+        "ernie", "eurobert", "exaone4", "falcon", "fnet", "funnel", "gemma", "gemma2", "gemma3", "gemma3_text", "glm",
+        "glm4", "gpt_neox", "gpt_oss", "gte", "helium", "ibert", "jamba", "jetmoe", "jina_embeddings_v3", "layoutlm",
+        "layoutlmv3", "lilt", "llama", "longformer", "markuplm", "mbart", "megatron-bert", "minicpm3", "minimax",
+        "ministral3", "mistral", "mistral4", "mixtral", "mobilebert", "modernbert", "modernbert-decoder", "modernvbert",
+        "mpnet", "mpt", "mra", "mt5", "mvp", "nomic_bert", "nystromformer", "olmo", "olmo2", "olmo3", "opt",
+        "persimmon", "phi", "phi3", "phimoe", "plbart", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_text",
+        "qwen3_moe", "qwen3_next", "rembert", "roberta", "roberta-prelayernorm", "roformer", "seed_oss", "smollm3",
         "stablelm", "starcoder2", "t5", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl",
         "xmod", "yoso"),
+    "AutoModelForSpeechSeq2Seq": (
+        "canary", "cohere_asr", "moonshine", "pop2piano", "speech_to_text", "whisper"),
 }
 HEAD_SWEEP_WORLD_SIZE = 3
+TIED_HEADS = ("AutoModelForMaskedLM",)
 # sizes for sub-configs (vision towers, audio encoders, encoder-decoder stacks), on top of SMALL
 SMALL_TOWERS = dict(depth=2, embed_dim=32, num_heads=2, out_hidden_size=32, image_size=32, patch_size=8, num_layers=2,
                     d_model=32, d_ff=48, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
@@ -143,13 +163,13 @@ PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "moe_layers", "mlp_only_laye
                    "deepstack_visual_indexes", "vision_feature_layer")
 
 
-def _shrunk(values: dict) -> dict:
+def _shrunk(values: dict, untie: bool = True) -> dict:
     out = dict(values)
     for key, value in values.items():
         if isinstance(value, dict) and key.endswith("_config") and "model_type" in value:
-            out[key] = _shrunk(value)
+            out[key] = _shrunk(value, untie)
         elif key == "tie_word_embeddings":
-            out[key] = False
+            out[key] = False if untie else value
         elif isinstance(value, bool):
             continue
         elif key in SMALL and isinstance(value, int):
@@ -158,13 +178,17 @@ def _shrunk(values: dict) -> dict:
             out[key] = SMALL_TOWERS[key]
     for key in PER_LAYER_LISTS:
         out.pop(key, None)
+    for key, value in values.items():  # special tokens beyond the small vocabulary (an embedding's padding_idx)
+        if key.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool) \
+                and value >= SMALL["vocab_size"] and "vocab_size" in values:
+            out[key] = SMALL_TOKENS.get(key, SMALL_TOKENS["eos_token_id"])
     return out
 
 
 def small_head_config(model_type: str, model_class: str):
     from transformers import AutoConfig
 
-    values = _shrunk(AutoConfig.for_model(model_type).to_dict())
+    values = _shrunk(AutoConfig.for_model(model_type).to_dict(), untie=model_class not in TIED_HEADS)
     for key in ("model_type", "transformers_version", "architectures", "_name_or_path"):
         values.pop(key, None)
     config = AutoConfig.for_model(model_type, **values)
