@@ -152,3 +152,37 @@ def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_loa
 
     failures = compare_with_plain_loads(cases, SAVE_WORLD_SIZE, workdir, seed=11, as_expected=as_expected)
     assert not failures, "\n".join(failures)
+
+
+# Where fine-tuning starts: a pretrained body saved by one class, loaded into a task head that is not in the checkpoint
+# (a reward model from a causal LM, a classifier from a masked LM, CTC from a bare speech encoder, an image classifier
+# from a bare vision encoder). The body is renamed into the head class's layout by transformers (a prefix added or
+# dropped, the old head unexpected) and the new head is randomly initialised in 4 KiB chunks, in the plain load's RNG
+# order (target class, source class, model types).
+NEW_HEADS = (
+    ("AutoModelForSequenceClassification", "AutoModelForCausalLM",
+     ("deepseek_v3", "gemma2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3_moe")),
+    ("AutoModelForSequenceClassification", "AutoModelForMaskedLM",
+     tuple(t for t in HEAD_SWEEP["AutoModelForMaskedLM"] if t in HEAD_SWEEP["AutoModelForSequenceClassification"])),
+    ("AutoModelForCTC", "AutoModel", HEAD_SWEEP["AutoModelForCTC"]),
+    ("AutoModelForImageClassification", "AutoModel", tuple(t for t in HEAD_SWEEP["AutoModelForImageClassification"]
+                                                           if t != "pp_lcnet")),  # no bare model class
+)
+
+
+def test_a_pretrained_body_loads_into_a_new_head_like_the_plain_load(workdir):
+    import transformers
+
+    from tests.checkpoints import make_checkpoint
+    from tests.families import small_head_config
+
+    cases = []
+    for target, source, types in NEW_HEADS:
+        for t in types:
+            path = make_checkpoint(os.path.join(workdir, "new_heads", source, target, t), t,
+                                   config=small_head_config(t, target), model_class=getattr(transformers, source))
+            cases.append({"name": f"{source} -> {target}/{t}", "path": path, "dtype": "float32", "model_class": target,
+                          "seed": 5, "kwargs": {"missing_init_budget_bytes": MISSING_BUDGET},
+                          "out": os.path.join(workdir, f"new_head_{source}_{target}_{t}.pt")})
+    failures = compare_with_plain_loads(cases, HEAD_SWEEP_WORLD_SIZE, workdir, seed=5)
+    assert not failures, "\n".join(failures)
