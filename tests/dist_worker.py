@@ -49,6 +49,15 @@ def gather_state(model) -> dict:
     return state
 
 
+def sharing(model) -> list[list[str]]:
+    """The names under which one parameter (or buffer) object appears more than once: tied weights are one tensor, not
+    equal copies (a copy would train apart from its twin)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)
+
+
 def initialize(model, ds_config: dict, result: dict):
     """deepspeed.initialize, counting the collectives it issues (into `result["init_collectives"]`)."""
     import deepspeed
@@ -263,6 +272,7 @@ def run_case(case: dict) -> dict:
     result["partitions"] = {"devices": sorted({str(t.device) for t in partitions}),
                             "pinned": sum(t.is_pinned() for t in partitions), "count": len(partitions)}
     result["state"] = gather_state(model)
+    result["sharing"] = sharing(model)
     result["config"] = model.config.to_dict()
     if model.can_generate():
         result["generation_config"] = model.generation_config.to_dict()

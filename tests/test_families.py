@@ -2,7 +2,9 @@
 each world size one torchrun job over all families; saves without a gather at world size 3 into the very files
 transformers' own save_pretrained writes; and with its second layer and head missing from the checkpoint, initialises
 them at world size 3 to the plain load's values (same seed) through the byte-bounded chunks of `missing_init.py`.
-The model cards name exactly these families."""
+Families whose own config ties the output embedding load tied at world size 3 as well; tied names must be one tensor,
+as in the plain load, not equal copies. Other heads (HEAD_SWEEP) load and save at world size 3, and pretrained bodies
+load into new task heads. The model cards name exactly these families."""
 
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | N
                                              *plain.named_buffers(remove_duplicate=False)]}
     if set(got["state"]) != set(reference):
         return f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}"
+    from tests.dist_worker import sharing
+
+    if "sharing" in got and got["sharing"] != sharing(plain):
+        return f"{case['name']}: tied tensors differ: {got['sharing']} vs the plain load's {sharing(plain)}"
     differ = [n for n, want in reference.items()
               if not (as_expected(case, n, got["state"][n], want) if as_expected else
                       got["state"][n].dtype == want.dtype and torch.equal(got["state"][n], want))]
@@ -87,6 +93,19 @@ def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, w
     cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_{t}_w{world_size}.pt")}
              for t, path in checkpoints.items()]
     failures = compare_with_plain_loads(cases, world_size, workdir)
+    assert not failures, "\n".join(failures)
+
+
+def test_families_whose_config_ties_the_embeddings_equal_the_plain_load_tied(workdir):
+    """The sweep's families whose own config ties the output embedding to the input one (Gemma, GPT-2, BERT, ...),
+    loaded at W=3 with that tie kept: the same values, and the tied names one tensor, as in the plain load."""
+    from tests.families import NOT_TIED, small_config, ties_embeddings
+
+    tied = [t for t in SWEEP if t not in NOT_TIED and ties_embeddings(small_config(t, tied=True))]
+    assert len(tied) > 50
+    cases = [{"name": f"{t} (tied)", "path": sweep_checkpoint(workdir, t, tied=True), "dtype": "float32",
+              "out": os.path.join(workdir, f"sweep_tied_{t}.pt")} for t in tied]
+    failures = compare_with_plain_loads(cases, 3, workdir)
     assert not failures, "\n".join(failures)
 
 
