@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _deepspeed_private as ds_private
 from . import _transformers_private as hf_private
 from . import log
 from .errors import LoaderError
@@ -182,7 +183,7 @@ class StandIns:
             return
         cell = self.cells.get(param.dtype)
         if cell is None:
-            cell = self.cells[param.dtype] = torch.full((1,), SENTINEL, dtype=param.dtype, device=param.data.device)
+            cell = self.cells[param.dtype] = torch.full((), SENTINEL, dtype=param.dtype, device=param.data.device)
         self.swapped[id(param)] = (param, param.data)
         param.data = cell.expand(param.ds_shape)
 
@@ -245,7 +246,8 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
         p.data = data
     devices = _rng_devices()
     try:
-        with deepspeed.zero.GatheredParameters(loaded, modifier_rank=0), torch.random.fork_rng(devices=devices):
+        with deepspeed.zero.GatheredParameters(loaded, modifier_rank=0), ds_private.broadcastable_scalars(loaded), \
+                torch.random.fork_rng(devices=devices):
             owner._init_weights(module)
     finally:
         for t in flagged:
@@ -285,7 +287,7 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
             gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else nullcontext()
             if params:
                 stats.gathers.append(sum(_nbytes(p) for p in params))
-            with gather, logical_shapes(modules) as stand_ins:
+            with gather, ds_private.broadcastable_scalars(params), logical_shapes(modules) as stand_ins:
                 if alone is not None:  # the module's other missing params are skipped by the guarded init
                     (module, owner), (alone, group) = modules[0], alone
                     others = [p for p in group if p is not alone]

@@ -41,8 +41,8 @@ class Zero3Partitioner:
         """Replace meta parameter `module.<name>` by a ZeRO-3 param with a local partition; return it."""
         meta = module._parameters[name]
         # A meta tensor cannot take real data, so the param is rebuilt: one real element expanded to the full
-        # shape gives DeepSpeed the logical shape without allocating the tensor.
-        shell = torch.empty(1, dtype=plan.dtype, device=self.local_device).expand(plan.shape)
+        # shape gives DeepSpeed the logical shape without allocating the tensor (0-dim: CLIP's `logit_scale`).
+        shell = torch.empty((), dtype=plan.dtype, device=self.local_device).expand(plan.shape)
         param = torch.nn.Parameter(shell, requires_grad=meta.requires_grad)
         param.__dict__.update(meta.__dict__)  # keeps tags such as AutoEP's allreduce / group_name
         self._factory.convert(param, self._process_groups[plan.group.name])

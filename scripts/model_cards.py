@@ -126,7 +126,7 @@ def verification() -> dict:
                      "llama_tied_but_different": "llama", "ernie": "ernie4_5_moe", "qwen3_vl_moe": "qwen3_vl_moe",
                      "qwen_broken": "qwen3_moe", "mamba_rescale": "mamba",
                      "shieldgemma2": "shieldgemma2", "qwen_renamed": "qwen3_moe", "in_subfolder": "qwen3_moe",
-                     "remote_code": "llama", "youtu_padding": "youtu"}
+                     "remote_code": "llama", "youtu_padding": "youtu", "metaclip_no_scale": "metaclip_2"}
     for name, (path, *_rest) in test_missing_and_guards.CASES.items():
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")
@@ -182,16 +182,21 @@ def render() -> dict[str, str]:
               "byte for byte the files transformers' own `save_pretrained` writes; and, with a layer and the head "
               "missing from the checkpoint, initialised at world size 3 in 4 KiB chunks to the plain load's values "
               "(`tests/test_families.py`):", "",
-              ", ".join(f"`{t}`" for t in families.SWEEP), ""]
+              ", ".join(f"`{t}`" for t in families.SWEEP), "",
+              "The families among these whose own config ties the output embedding to the input one load tied at world "
+              "size 3 too, and save: the tied names are one tensor, as in the plain load.", ""]
     if families.NOT_BUILT:
         index += ["The other causal-LM model types of transformers 5.23, and why they are not in this sweep: " +
                   "; ".join(f"`{t}` ({why})" for t, why in families.NOT_BUILT.items()) + ".", ""]
     heads = sum(len(types) for types in families.HEAD_SWEEP.values())
-    index += [f"## The head sweep ({heads} model types)", "",
+    index += [f"## The head sweep ({heads} model types and heads)", "",
               "Every model type of these auto classes that transformers 5.23 builds small from its own config (vision, "
               "audio, encoder and decoder sub-configs shrunk too), saved with `save_pretrained` and loaded through its "
               f"own auto class bit-exact at world size {families.HEAD_SWEEP_WORLD_SIZE}, then saved without a gather into "
-              "byte for byte the files transformers' own `save_pretrained` writes (`tests/test_families.py`):", ""]
+              "byte for byte the files transformers' own `save_pretrained` writes (`tests/test_families.py`). "
+              f"{' and '.join(f'`{c}`' for c in families.TIED_HEADS)} keep their configs' tied decoder; the others are "
+              "untied. `AutoModel` lists the bare models of the types no other class here sweeps (dual encoders, "
+              "vision and audio towers, ...) and of the contrastive models (CLIP, SigLIP, BLIP, MetaCLIP 2).", ""]
     for model_class, types in sorted(families.HEAD_SWEEP.items()):
         index += [f"- `{model_class}` ({len(types)}): " + ", ".join(f"`{t}`" for t in types)]
     index += [""]

@@ -108,8 +108,35 @@ NOT_BUILT: dict[str, str] = {
 # (reward models), masked LMs, speech recognition (encoder-decoder and CTC), audio and image classifiers. Every model
 # type of these auto classes that builds small from its own config, with its sub-configs (vision, audio, encoder,
 # decoder) shrunk as well, to under 6M parameters. Masked LMs keep their configs' tied decoder (as they are used); the
-# other heads are untied, so that every weight is read on its own.
+# other heads are untied, so that every weight is read on its own. `AutoModel`: the bare models of every other type
+# that builds small (dual encoders such as CLIP with their 0-dim `logit_scale`, vision and audio towers, SAM, time
+# series, ...) and of the contrastive models whose other heads drop their `logit_scale`.
 HEAD_SWEEP = {
+    "AutoModel": (
+        "aimv2", "aimv2_vision_model", "altclip", "audioflamingo3_encoder", "blip", "blip_2_qformer", "bros",
+        "chinese_clip", "chinese_clip_vision_model", "clip", "clip_text_model", "clip_vision_model", "clipseg", "clvp",
+        "cohere_compass_vision", "cosmos3_edge_vision", "decision_transformer", "deit", "dpr", "dpt",
+        "exaone4_5_vision", "flava", "focalnet", "fun_asr_nano_encoder", "gemma3n_audio", "gemma4_audio",
+        "gemma4_vision", "glm4v_moe_text", "glm4v_moe_vision", "glm4v_text", "glm4v_vision", "glm5_next_vision",
+        "glm_image", "glm_image_text", "glm_image_vision", "glm_image_vqmodel", "glm_ocr_text", "glm_ocr_vision",
+        "glmasr_encoder", "glpn", "granite_docling_text", "granite_docling_vision", "groupvit", "higgs_audio_v2",
+        "hunyuan_vl_vision", "idefics3_vision", "internvl_vision", "kimi_k25_vision", "kyutai_speech_to_text",
+        "lasr_encoder", "lfm3_vl_vision", "lightglue", "lxmert", "metaclip_2", "minicpm_ocr_vision",
+        "minicpmv4_7_vision", "mlcd", "mlcd_vision_model", "mobilenet_v1", "mobilevit", "mobilevitv2", "molmo2_text",
+        "moss_transcribe_diarize_audio", "muse_glimmer_assistant", "muse_glimmer_text", "muse_glimmer_vision",
+        "muse_spark_vision", "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_word_timestamp",
+        "nemotron3_diarization_audio", "nemotron_asr_streaming_encoder", "openai_privacy_filter", "owlv2", "owlvit",
+        "parakeet_encoder", "patchtsmixer", "patchtst", "pixtral", "pocket_tts_audio_tokenizer_encoder",
+        "pp_ocrv5_mobile_rec", "pp_ocrv6_small_det", "pp_ocrv6_small_rec", "pp_ocrv6_tiny_rec", "pvt_v2",
+        "qianfan_ocr_vision", "qwen2_5_vl_text", "qwen2_5_vl_vision", "qwen2_audio_encoder", "qwen2_vl_text",
+        "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_asr_encoder", "qwen3_vl_moe_text", "qwen3_vl_moe_vision",
+        "qwen3_vl_text", "qwen3_vl_vision", "qwen4_exp_vision", "radio", "sam", "sam3", "sam3_lite_text",
+        "sam3_lite_text_text_model", "sam3_tracker", "sam3_vision_model", "sam3_vit_model", "sam_hq",
+        "sam_hq_vision_model", "sam_vision_model", "segformer", "seggpt", "siglip", "siglip2", "siglip2_vision_model",
+        "siglip_vision_model", "smolvlm_vision", "speecht5", "splinter", "swiftformer", "timesfm", "timesfm2_5",
+        "timesformer", "tipsv2_text_model", "video_llama_3_vision", "videomae", "videoprism", "videoprism_vision_model",
+        "vilt", "vision-text-dual-encoder", "visual_bert", "vit_mae", "vivit", "voxtral_encoder",
+        "voxtral_realtime_encoder", "xclip"),
     "AutoModelForAudioClassification": (
         "audio-spectrogram-transformer", "wav2vec2-bert", "wav2vec2-conformer", "whisper"),
     "AutoModelForCTC": (
