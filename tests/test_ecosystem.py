@@ -177,3 +177,28 @@ def test_transformers_zero3_aware_methods_work_after_a_load_given_its_config_dir
         generated = [r["generated"] for r in ours["ranks"]]
         assert generated == [r["generated"] for r in upstream["ranks"]]
         assert [len(g[0]) for g in generated] == [3 + 2, 3 + 5]
+
+
+def test_a_model_with_a_0_dim_parameter_trains_under_zero3(workdir):
+    """CLIP's `logit_scale` is a 0-dim parameter (transformers' own ZeRO-3 path cannot build the model at all): loaded
+    at 2 ranks, one data-parallel step gives the plain model's loss and, for every parameter, its gradient of the mean
+    of both ranks' losses."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port, python_path
+    from tests.families import head_checkpoint
+
+    path, out = head_checkpoint(workdir, "AutoModel", "clip"), os.path.join(workdir, "contrastive.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "contrastive_script.py"), path, out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out) as f:
+        result = json.load(f)
+    assert result["scalar_params"] == ["logit_scale"]
+    assert result["loss"] == result["plain_loss"]
+    worst = max(result["grad_relative_differences"].items(), key=lambda item: item[1])
+    assert worst[1] < 1e-4, worst  # summation order differs (two ranks' gradients averaged by a reduce-scatter)
