@@ -12,8 +12,8 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
   (AutoEP expert parameters: their expert-data-parallel group).
 
 Missing-key init (`missing_init.py`): `GatheredParameters(modifier_rank=r)` broadcasts `p.data.view(torch.uint8)` on
-exit, which raises for a 0-dim parameter (CLIP's `logit_scale`); `broadcastable_scalars` gives those a 1-element
-shape just before that exit (the partition keeps `ds_shape`, so later gathers are 0-dim again).
+exit, which raises for a 0-dim parameter (CLIP's `logit_scale`); `gathered_to_modify` gives those a 1-element shape
+just before that exit (the partition keeps `ds_shape`, so later gathers are 0-dim again).
 
 Saving (`saving.py`) reads the same fields back: `is_zero3_param` / `zero3_partition` give a parameter's local
 partition (`ds_tensor`) and its group without a gather; `autoep_layer_class` tells AutoEP layers apart.
@@ -275,12 +275,16 @@ def let_engine_accept_replaced_layers() -> None:
 
 
 @contextmanager
-def broadcastable_scalars(params):
-    """Entered just inside `GatheredParameters(params, modifier_rank=...)`: its exit broadcasts each gathered tensor
-    viewed as bytes, which a 0-dim tensor cannot be; those leave with shape (1,) (the same element)."""
-    try:
-        yield
-    finally:
-        for p in params:
-            if p.data.dim() == 0:
-                p.data = p.data.reshape(1)
+def gathered_to_modify(params):
+    """`GatheredParameters(params, modifier_rank=0)`: rank 0's writes reach every rank's partition. Its exit
+    broadcasts each gathered tensor viewed as bytes, which a 0-dim tensor cannot be: those leave with shape (1,) (the
+    same element; the partition keeps `ds_shape`)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+        try:
+            yield
+        finally:
+            for p in params:
+                if p.data.dim() == 0:
+                    p.data = p.data.reshape(1)

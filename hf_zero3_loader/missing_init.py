@@ -232,8 +232,6 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
     lost the loaded flag). A plain load keeps that write, so it is replayed: the loaded parameters under the module
     gathered for real, every tensor under it flagged as initialised so the guarded functions skip it (and draw
     nothing), random draws outside them forked away. Only writes that bypass the guard land."""
-    import deepspeed
-
     loaded = stand_ins.loaded_params_under(module)
     if not loaded:
         return
@@ -246,8 +244,7 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
         p.data = data
     devices = _rng_devices()
     try:
-        with deepspeed.zero.GatheredParameters(loaded, modifier_rank=0), ds_private.broadcastable_scalars(loaded), \
-                torch.random.fork_rng(devices=devices):
+        with ds_private.gathered_to_modify(loaded), torch.random.fork_rng(devices=devices):
             owner._init_weights(module)
     finally:
         for t in flagged:
@@ -278,16 +275,14 @@ def _explained_in_place_writes(model, module, owner):
 
 
 def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None) -> InitStats:
-    import deepspeed
-
     stats = stats or InitStats()
     is_custom_code = model.is_custom_code()
     with torch.no_grad(), hf_private.guarded_init_functions():
         for modules, params, alone in _plan_chunks(model, budget_bytes):
-            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else nullcontext()
+            gather = ds_private.gathered_to_modify(params) if params else nullcontext()
             if params:
                 stats.gathers.append(sum(_nbytes(p) for p in params))
-            with gather, ds_private.broadcastable_scalars(params), logical_shapes(modules) as stand_ins:
+            with gather, logical_shapes(modules) as stand_ins:
                 if alone is not None:  # the module's other missing params are skipped by the guarded init
                     (module, owner), (alone, group) = modules[0], alone
                     others = [p for p in group if p is not alone]

@@ -208,11 +208,17 @@ def _shrunk(values: dict, untie: bool = True) -> dict:
             out[key] = SMALL_TOWERS[key]
     for key in PER_LAYER_LISTS:
         out.pop(key, None)
-    for key, value in values.items():  # special tokens beyond the small vocabulary (an embedding's padding_idx)
-        if key.endswith("_token_id") and isinstance(value, int) and not isinstance(value, bool) \
-                and value >= SMALL["vocab_size"] and "vocab_size" in values:
-            out[key] = SMALL_TOKENS.get(key, SMALL_TOKENS["eos_token_id"])
+    if "vocab_size" in values:
+        out.update(_tokens_in_small_vocabulary(values))
     return out
+
+
+def _tokens_in_small_vocabulary(values: dict, keys=None) -> dict:
+    """Special tokens (`*_token_id`, or only `keys`) a default config puts beyond the small vocabulary, moved into it
+    (an embedding's padding_idx must fit)."""
+    return {key: SMALL_TOKENS.get(key, SMALL_TOKENS["eos_token_id"]) for key, value in values.items()
+            if (key in keys if keys is not None else key.endswith("_token_id"))
+            and isinstance(value, int) and not isinstance(value, bool) and value >= SMALL["vocab_size"]}
 
 
 def small_head_config(model_type: str, model_class: str):
@@ -262,8 +268,7 @@ def small_config(model_type: str, tied: bool = False):
     default = AutoConfig.for_model(model_type)
     small = {k: v for k, v in SMALL.items() if not (tied and k == "tie_word_embeddings")}
     kwargs = {k: v for k, v in small.items() if _settable(default, k)}
-    kwargs.update({k: v for k, v in SMALL_TOKENS.items()
-                   if isinstance(getattr(default, k, None), int) and getattr(default, k) >= SMALL["vocab_size"]})
+    kwargs.update(_tokens_in_small_vocabulary(default.to_dict(), keys=SMALL_TOKENS))
     kwargs.update(SIZES_FOR.get(model_type, {}))
     text = getattr(default, "text_config", None)
     if text is not None:

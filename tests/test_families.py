@@ -116,7 +116,6 @@ def test_families_whose_config_ties_the_embeddings_equal_the_plain_load_tied(wor
     assert not failures, "\n".join(failures)
 
 
-
 def test_every_family_in_the_sweep_saves_the_files_plain_save_pretrained_writes(checkpoints, workdir):
     """Loaded at W=3, saved with hf_zero3_loader.save_pretrained (each rank writes its share): the folder is byte for
     byte what transformers' save_pretrained writes for the gathered model, and loads back with nothing missing."""
