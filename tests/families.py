@@ -134,17 +134,21 @@ HEAD_SWEEP = {
         "sam3_lite_text_text_model", "sam3_tracker", "sam3_vision_model", "sam3_vit_model", "sam_hq",
         "sam_hq_vision_model", "sam_vision_model", "segformer", "seggpt", "siglip", "siglip2", "siglip2_vision_model",
         "siglip_vision_model", "smolvlm_vision", "speecht5", "splinter", "swiftformer", "timesfm", "timesfm2_5",
-        "timesformer", "tipsv2_text_model", "video_llama_3_vision", "videomae", "videoprism", "videoprism_vision_model",
-        "vilt", "vision-text-dual-encoder", "visual_bert", "vit_mae", "vivit", "voxtral_encoder",
-        "voxtral_realtime_encoder", "xclip"),
+        "timesformer", "tipsv2_text_model", "video_llama_3_vision", "videomae", "videoprism",
+        "videoprism_vision_model", "vilt", "vision-text-dual-encoder", "visual_bert", "vit_mae", "vivit",
+        "voxtral_encoder", "voxtral_realtime_encoder", "xclip"),
     "AutoModelForAudioClassification": (
         "audio-spectrogram-transformer", "wav2vec2-bert", "wav2vec2-conformer", "whisper"),
     "AutoModelForCTC": (
         "data2vec-audio", "hubert", "lasr_ctc", "parakeet_ctc", "sew", "sew-d", "unispeech", "unispeech-sat",
         "wav2vec2", "wavlm"),
+    "AutoModelForDepthEstimation": ("depth_anything", "zoedepth"),
     "AutoModelForImageClassification": (
-        "clip", "data2vec-vision", "ijepa", "metaclip_2", "mobilenet_v2", "pp_lcnet", "siglip", "siglip2", "vit",
+        "beit", "bit", "clip", "convnext", "convnextv2", "cvt", "data2vec-vision", "dinov2", "dinov2_with_registers",
+        "donut-swin", "efficientnet", "hgnet_v2", "hiera", "ijepa", "imagegpt", "metaclip_2", "mobilenet_v2",
+        "poolformer", "pp_lcnet", "pvt", "regnet", "resnet", "siglip", "siglip2", "swin", "swinv2", "textnet", "vit",
         "vit_msn"),
+    "AutoModelForImageSegmentation": ("detr",),
     "AutoModelForImageTextToText": (
         "aria", "aya_vision", "blip", "blip-2", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "exaone4_5", "fuyu",
         "gemma3", "git", "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "granite_docling",
@@ -153,32 +157,39 @@ HEAD_SWEEP = {
         "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "mistral3", "mistral4", "mllama", "ovis2", "paddleocr_vl",
         "paligemma", "pi0", "pix2struct", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl",
         "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp",
-        "shieldgemma2", "smolvlm", "udop", "video_llama_3", "video_llava", "vipllava"),
+        "shieldgemma2", "smolvlm", "udop", "video_llama_3", "video_llava", "vipllava", "vision-encoder-decoder"),
     "AutoModelForMaskedLM": (
         "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
-        "electra", "ernie", "eurobert", "fnet", "gte", "ibert", "jina_embeddings_v3", "layoutlm", "longformer", "mbart",
-        "megatron-bert", "modernbert", "modernvbert", "mpnet", "mra", "mvp", "nomic_bert", "nystromformer", "rembert",
-        "roberta", "roberta-prelayernorm", "roformer", "tapas", "ultrabert", "ultravbert", "xlm-roberta",
-        "xlm-roberta-xl", "xmod", "yoso"),
+        "distilbert", "electra", "ernie", "esm", "esmc", "eurobert", "flaubert", "fnet", "gte", "ibert",
+        "jina_embeddings_v3", "layoutlm", "longformer", "luke", "mbart", "megatron-bert", "modernbert", "modernvbert",
+        "mpnet", "mra", "mvp", "neomme", "nomic_bert", "nystromformer", "rembert", "roberta", "roberta-prelayernorm",
+        "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert", "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
+    "AutoModelForObjectDetection": (
+        "conditional_detr", "dab-detr", "deformable_detr", "detr", "table-transformer", "yolos"),
+    "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert"),
+    "AutoModelForSemanticSegmentation": ("beit", "upernet"),
     "AutoModelForSeq2SeqLM": (
-        "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "fsmt", "glmasr", "led",
-        "longt5", "m2m_100", "marian", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo", "mvp", "nllb-moe",
-        "pegasus", "pegasus_x", "plbart", "prophetnet", "qwen2_audio", "qwen3_asr", "seamless_m4t", "seamless_m4t_v2",
-        "switch_transformers", "t5", "umt5", "voxtral", "voxtral_realtime"),
+        "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "encoder-decoder", "fsmt",
+        "glmasr", "led", "longt5", "m2m_100", "marian", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo",
+        "mvp", "nllb-moe", "pegasus", "pegasus_x", "plbart", "prophetnet", "qwen2_audio", "qwen3_asr", "seamless_m4t",
+        "seamless_m4t_v2", "switch_transformers", "t5", "t5gemma", "t5gemma2", "umt5", "voxtral", "voxtral_realtime"),
     "AutoModelForSequenceClassification": (
         "albert", "arcee", "axk1", "bart", "bert", "big_bird", "bigbird_pegasus", "biogpt", "bloom", "camembert",
-        "canine", "convbert", "data2vec-text", "deberta", "deberta-v2", "deepseek_v2", "deepseek_v3", "doge", "electra",
-        "ernie", "eurobert", "exaone4", "falcon", "fnet", "funnel", "gemma", "gemma2", "gemma3", "gemma3_text", "glm",
-        "glm4", "gpt_neox", "gpt_oss", "gte", "helium", "ibert", "jamba", "jetmoe", "jina_embeddings_v3", "layoutlm",
-        "layoutlmv3", "lilt", "llama", "longformer", "markuplm", "mbart", "megatron-bert", "minicpm3", "minimax",
-        "ministral3", "mistral", "mistral4", "mixtral", "mobilebert", "modernbert", "modernbert-decoder", "modernvbert",
-        "mpnet", "mpt", "mra", "mt5", "mvp", "nomic_bert", "nystromformer", "olmo", "olmo2", "olmo3", "opt",
-        "persimmon", "phi", "phi3", "phimoe", "plbart", "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_text",
-        "qwen3_moe", "qwen3_next", "rembert", "roberta", "roberta-prelayernorm", "roformer", "seed_oss", "smollm3",
-        "stablelm", "starcoder2", "t5", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl",
-        "xmod", "yoso"),
+        "canine", "convbert", "data2vec-text", "deberta", "deberta-v2", "deepseek_v2", "deepseek_v3", "distilbert",
+        "doge", "electra", "ernie", "esm", "esmc", "eurobert", "exaone4", "falcon", "flaubert", "fnet", "funnel",
+        "gemma", "gemma2", "gemma3", "gemma3_text", "glm", "glm4", "gpt_neox", "gpt_oss", "gte", "helium", "ibert",
+        "jamba", "jetmoe", "jina_embeddings_v3", "layoutlm", "layoutlmv3", "lilt", "llama", "longformer", "luke",
+        "markuplm", "mbart", "megatron-bert", "minicpm3", "minimax", "ministral3", "mistral", "mistral4", "mixtral",
+        "mobilebert", "modernbert", "modernbert-decoder", "modernvbert", "mpnet", "mpt", "mra", "mt5", "mvp",
+        "nomic_bert", "nystromformer", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "phimoe", "plbart",
+        "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rembert", "roberta",
+        "roberta-prelayernorm", "roformer", "seed_oss", "smollm3", "squeezebert", "stablelm", "starcoder2", "t5",
+        "t5gemma", "t5gemma2", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl", "xmod",
+        "yoso"),
     "AutoModelForSpeechSeq2Seq": (
-        "canary", "cohere_asr", "moonshine", "pop2piano", "speech_to_text", "whisper"),
+        "canary", "cohere_asr", "moonshine", "pop2piano", "speech-encoder-decoder", "speech_to_text", "whisper"),
+    "AutoModelForTokenClassification": ("distilbert", "esm", "esmc", "flaubert", "luke", "squeezebert", "t5gemma"),
+    "AutoModelForUniversalSegmentation": ("eomt", "mask2former", "maskformer"),
 }
 HEAD_SWEEP_WORLD_SIZE = 3
 TIED_HEADS = ("AutoModelForMaskedLM",)
@@ -191,12 +202,103 @@ SMALL_TOWERS = dict(depth=2, embed_dim=32, num_heads=2, out_hidden_size=32, imag
 # per-layer lists that must be rebuilt for 2 layers
 PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "moe_layers", "mlp_only_layers", "fullatt_block_indexes",
                    "deepstack_visual_indexes", "vision_feature_layer")
+# a backbone's stages and the stages it outputs, rebuilt by its config from its (fewer) layers
+NEW_STAGES = dict(stage_names=None, out_features=None, out_indices=None)
+# small backbones for the detectors and segmenters (transformers' own classes: timm is not installed)
+RESNET_BACKBONE = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
+                   "out_features": ["stage1", "stage2"]}
+RESNET_4_STAGES = {**RESNET_BACKBONE, "hidden_sizes": [8, 16, 16, 32], "depths": [1, 1, 1, 1],
+                   "out_features": ["stage1", "stage2", "stage3", "stage4"]}
+SWIN_BACKBONE = {"model_type": "swin", "embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 2, 2],
+                 "window_size": 2, "image_size": 64, "patch_size": 4,
+                 "out_features": ["stage1", "stage2", "stage3", "stage4"]}
+DETR_SIZES = dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=8, d_model=32, encoder_ffn_dim=48,
+                  decoder_ffn_dim=48, backbone_config={**RESNET_BACKBONE, "out_features": ["stage2"]})
+# head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
+# names, vision backbones, detectors, segmenters, depth estimators): sizes that build them small
+HEAD_SIZES_FOR: dict[str, dict] = {
+    # text
+    "distilbert": dict(dim=32, hidden_dim=48, n_layers=2, n_heads=2),
+    "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=32),  # protein LMs: no default vocabulary
+    "esmc": dict(num_key_value_heads=2),  # refuses grouped-query attention
+    "flaubert": dict(emb_dim=32, n_layers=2, n_heads=2),
+    "luke": dict(entity_vocab_size=50, entity_emb_size=16),
+    "neomme": dict(per_layer_config={"01": {"sliding_window": None}}, embedding_rank=16, embedding_dim=16,
+                   sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+    "squeezebert": dict(embedding_size=32, q_groups=2, k_groups=2, v_groups=2, intermediate_groups=2, output_groups=2),
+    # vision backbones: 2 stages of 1 block
+    "beit": dict(num_hidden_layers=4, out_indices=[1, 2, 3, 4], stage_names=None, out_features=None),  # 4 for FPN
+    "bit": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4, **NEW_STAGES),
+    "convnext": dict(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], **NEW_STAGES),
+    "convnextv2": dict(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], **NEW_STAGES),
+    "cvt": dict(patch_sizes=[7, 3], patch_stride=[4, 2], patch_padding=[2, 1], embed_dim=[16, 32], num_heads=[1, 2],
+                depth=[1, 2], mlp_ratio=[2.0, 2.0], attention_drop_rate=[0.0, 0.0], drop_rate=[0.0, 0.0],
+                drop_path_rate=[0.0, 0.0], qkv_bias=[True, True], cls_token=[False, True],
+                qkv_projection_method=["dw_bn", "dw_bn"], kernel_qkv=[3, 3], padding_kv=[1, 1], stride_kv=[2, 2],
+                padding_q=[1, 1], stride_q=[1, 1]),
+    "dinov2": NEW_STAGES,
+    "dinov2_with_registers": NEW_STAGES,
+    "donut-swin": dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=2, patch_size=4),
+    "efficientnet": dict(image_size=32, kernel_sizes=[3, 3], in_channels=[16, 16], out_channels=[16, 24],
+                         strides=[1, 2], num_block_repeats=[1, 1], expand_ratios=[1, 2], hidden_dim=64,
+                         width_coefficient=1.0, depth_coefficient=1.0, depthwise_padding=[]),
+    "hgnet_v2": dict(embedding_size=16, depths=[1, 1], hidden_sizes=[32, 64], stem_channels=[3, 8, 16],
+                     stage_in_channels=[16, 32], stage_mid_channels=[8, 16], stage_out_channels=[32, 64],
+                     stage_num_blocks=[1, 1], stage_downsample=[False, True], stage_downsample_strides=[2, 2],
+                     stage_light_block=[False, True], stage_kernel_size=[3, 5], stage_numb_of_layers=[2, 2],
+                     **NEW_STAGES),
+    "hiera": dict(embed_dim=16, image_size=[64, 64], patch_size=[7, 7], depths=[1, 1], num_heads=[1, 2],
+                  num_query_pool=1, masked_unit_attention=[True, False], **NEW_STAGES),
+    "imagegpt": dict(n_embd=32, n_layer=2, n_head=2, n_positions=64),
+    "poolformer": dict(depths=[1, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], padding=[2, 1],
+                       num_encoder_blocks=2),
+    "pvt": dict(num_encoder_blocks=2, depths=[1, 1], sequence_reduction_ratios=[2, 1], hidden_sizes=[16, 32],
+                patch_sizes=[4, 2], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2]),
+    "regnet": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], groups_width=8),
+    "resnet": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], **NEW_STAGES),
+    "swin": dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=2, patch_size=4, **NEW_STAGES),
+    "swinv2": dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=2, patch_size=4,
+                   pretrained_window_sizes=[0, 0], **NEW_STAGES),
+    "textnet": dict(stem_out_channels=16, image_size=[32, 32], hidden_sizes=[16, 16, 32], depths=[1, 1],
+                    conv_layer_kernel_sizes=[[[3, 3]], [[3, 3]]], conv_layer_strides=[[1], [2]], **NEW_STAGES),
+    # detectors (DETR's segmentation head convolves d_model + heads channels in groups of 8, over 4 stages)
+    "conditional_detr": DETR_SIZES,
+    "dab-detr": dict(DETR_SIZES, hidden_size=32),
+    "deformable_detr": dict(DETR_SIZES, backbone_config=RESNET_BACKBONE, num_feature_levels=2, encoder_n_points=2,
+                            decoder_n_points=2, two_stage_num_proposals=8),
+    "detr": dict(DETR_SIZES, encoder_attention_heads=8, decoder_attention_heads=8, backbone_config=RESNET_4_STAGES),
+    "table-transformer": DETR_SIZES,
+    "yolos": dict(image_size=[32, 48], num_detection_tokens=8),
+    # segmenters (group norms of 32) and depth estimators (4 backbone features)
+    "mask2former": dict(backbone_config=SWIN_BACKBONE, feature_size=32, mask_feature_size=32, hidden_dim=32,
+                        encoder_feedforward_dim=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2,
+                        dim_feedforward=32, num_queries=8),
+    "maskformer": dict(backbone_config=SWIN_BACKBONE, fpn_feature_size=32, mask_feature_size=32,
+                       num_attention_heads=2, num_hidden_layers=2,
+                       decoder_config={"model_type": "detr", "d_model": 32, "encoder_layers": 1, "decoder_layers": 2,
+                                       "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "encoder_attention_heads": 2,
+                                       "decoder_attention_heads": 2, "num_queries": 8, "use_timm_backbone": False}),
+    "upernet": dict(backbone_config=RESNET_4_STAGES, hidden_size=16, auxiliary_channels=16, pool_scales=[1, 2]),
+    "depth_anything": dict(backbone_config={"model_type": "dinov2", "hidden_size": 32, "num_hidden_layers": 4,
+                                            "num_attention_heads": 2, "intermediate_size": 48, "image_size": 28,
+                                            "patch_size": 14, "out_indices": [1, 2, 3, 4],
+                                            "reshape_hidden_states": False},
+                           reassemble_hidden_size=32, neck_hidden_sizes=[8, 16, 24, 32], fusion_hidden_size=16,
+                           head_hidden_size=8),
+    "zoedepth": dict(backbone_config={"model_type": "beit", "hidden_size": 32, "num_hidden_layers": 4,
+                                      "num_attention_heads": 2, "intermediate_size": 48, "image_size": 32,
+                                      "patch_size": 8, "out_indices": [1, 2, 3, 4], "reshape_hidden_states": False,
+                                      "use_relative_position_bias": True, "vocab_size": 97},
+                     neck_hidden_sizes=[8, 16, 24, 32], fusion_hidden_size=16, bottleneck_features=16,
+                     num_relative_features=8, bin_embedding_dim=16, num_attractors=[4, 2, 2, 1],
+                     bin_configurations=[{"n_bins": 8, "min_depth": 0.001, "max_depth": 10.0}]),
+}
 
 
 def _shrunk(values: dict, untie: bool = True) -> dict:
     out = dict(values)
     for key, value in values.items():
-        if isinstance(value, dict) and key.endswith("_config") and "model_type" in value:
+        if isinstance(value, dict) and "model_type" in value:  # a sub-config (vision_config, encoder, ...)
             out[key] = _shrunk(value, untie)
         elif key == "tie_word_embeddings":
             out[key] = False if untie else value
@@ -225,6 +327,7 @@ def small_head_config(model_type: str, model_class: str):
     from transformers import AutoConfig
 
     values = _shrunk(AutoConfig.for_model(model_type).to_dict(), untie=model_class not in TIED_HEADS)
+    values.update(HEAD_SIZES_FOR.get(model_type, {}))
     for key in ("model_type", "transformers_version", "architectures", "_name_or_path"):
         values.pop(key, None)
     config = AutoConfig.for_model(model_type, **values)

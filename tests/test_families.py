@@ -189,7 +189,7 @@ NEW_HEADS = (
      tuple(t for t in HEAD_SWEEP["AutoModelForMaskedLM"] if t in HEAD_SWEEP["AutoModelForSequenceClassification"])),
     ("AutoModelForCTC", "AutoModel", HEAD_SWEEP["AutoModelForCTC"]),
     ("AutoModelForImageClassification", "AutoModel", tuple(t for t in HEAD_SWEEP["AutoModelForImageClassification"]
-                                                           if t != "pp_lcnet")),  # no bare model class
+                                                           if t not in ("pp_lcnet", "hgnet_v2"))),  # no bare model
 )
 
 
