@@ -151,13 +151,15 @@ HEAD_SWEEP = {
     "AutoModelForImageSegmentation": ("detr",),
     "AutoModelForImageTextToText": (
         "aria", "aya_vision", "blip", "blip-2", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "exaone4_5", "fuyu",
-        "gemma3", "git", "glm46v", "glm4v", "glm4v_moe", "glm_ocr", "glmga", "got_ocr2", "granite_docling",
-        "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3", "instructblip", "instructblipvideo", "internvl",
-        "kimi_k25", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video", "llava_onevision",
-        "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "mistral3", "mistral4", "mllama", "ovis2", "paddleocr_vl",
+        "gemma3", "git", "glm46v", "glm4v", "glm4v_moe", "glm5_next", "glm_ocr", "glmga", "got_ocr2",
+        "granite_docling", "hunyuan_vl", "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3", "inkling2",
+        "instructblip", "instructblipvideo", "internvl", "kimi_k25", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava",
+        "llava_next", "llava_next_video", "llava_onevision", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7",
+        "minimax_m3_vl", "mistral3", "mistral4", "mistral_large4", "mllama", "muse_spark", "ovis2", "paddleocr_vl",
         "paligemma", "pi0", "pix2struct", "pp_chart2table", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl",
         "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp",
-        "shieldgemma2", "smolvlm", "udop", "video_llama_3", "video_llava", "vipllava", "vision-encoder-decoder"),
+        "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3", "video_llava", "vipllava",
+        "vision-encoder-decoder"),
     "AutoModelForMaskedLM": (
         "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
         "distilbert", "electra", "ernie", "esm", "esmc", "eurobert", "flaubert", "fnet", "gte", "ibert",
@@ -165,7 +167,8 @@ HEAD_SWEEP = {
         "mpnet", "mra", "mvp", "neomme", "nomic_bert", "nystromformer", "rembert", "roberta", "roberta-prelayernorm",
         "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert", "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
     "AutoModelForObjectDetection": (
-        "conditional_detr", "dab-detr", "deformable_detr", "detr", "table-transformer", "yolos"),
+        "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "rt_detr", "rt_detr_v2",
+        "table-transformer", "yolos"),
     "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert"),
     "AutoModelForSemanticSegmentation": ("beit", "upernet"),
     "AutoModelForSeq2SeqLM": (
@@ -201,7 +204,7 @@ SMALL_TOWERS = dict(depth=2, embed_dim=32, num_heads=2, out_hidden_size=32, imag
                     mm_hidden_size=32)
 # per-layer lists that must be rebuilt for 2 layers
 PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "moe_layers", "mlp_only_layers", "fullatt_block_indexes",
-                   "deepstack_visual_indexes", "vision_feature_layer")
+                   "deepstack_visual_indexes", "vision_feature_layer", "mlp_layer_types", "kv_source_layers")
 # a backbone's stages and the stages it outputs, rebuilt by its config from its (fewer) layers
 NEW_STAGES = dict(stage_names=None, out_features=None, out_indices=None)
 # small backbones for the detectors and segmenters (transformers' own classes: timm is not installed)
@@ -214,8 +217,26 @@ SWIN_BACKBONE = {"model_type": "swin", "embed_dim": 16, "depths": [1, 1, 1, 1], 
                  "out_features": ["stage1", "stage2", "stage3", "stage4"]}
 DETR_SIZES = dict(use_timm_backbone=False, use_pretrained_backbone=False, num_queries=8, d_model=32, encoder_ffn_dim=48,
                   decoder_ffn_dim=48, backbone_config={**RESNET_BACKBONE, "out_features": ["stage2"]})
+RT_DETR_SIZES = dict(use_pretrained_backbone=False, encoder_in_channels=[16, 32, 32], encoder_hidden_dim=32,
+                     encoder_ffn_dim=48, encoder_attention_heads=2, d_model=32, decoder_in_channels=[32, 32, 32],
+                     decoder_ffn_dim=48, decoder_layers=2, decoder_attention_heads=2, decoder_n_points=2, num_queries=8,
+                     num_denoising=4,
+                     backbone_config={"model_type": "rt_detr_resnet", "embedding_size": 16,
+                                      "hidden_sizes": [16, 16, 32, 32], "depths": [1, 1, 1, 1],
+                                      "out_features": ["stage2", "stage3", "stage4"]})
+D_FINE_SIZES = dict(RT_DETR_SIZES, head_dim=16, lqe_hidden_dim=16,
+                    backbone_config={"model_type": "hgnet_v2", "embedding_size": 16, "depths": [1, 1, 1, 1],
+                                     "hidden_sizes": [16, 16, 32, 32], "stem_channels": [3, 8, 16],
+                                     "stage_in_channels": [16, 16, 16, 32], "stage_mid_channels": [8, 8, 16, 16],
+                                     "stage_out_channels": [16, 16, 32, 32], "stage_num_blocks": [1, 1, 1, 1],
+                                     "stage_downsample": [False, True, True, True],
+                                     "stage_downsample_strides": [2, 2, 2, 2],
+                                     "stage_light_block": [False, False, True, True],
+                                     "stage_kernel_size": [3, 3, 5, 5], "stage_numb_of_layers": [2, 2, 2, 2],
+                                     "out_features": ["stage2", "stage3", "stage4"]})
 # head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
-# names, vision backbones, detectors, segmenters, depth estimators): sizes that build them small
+# names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
+# them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
 HEAD_SIZES_FOR: dict[str, dict] = {
     # text
     "distilbert": dict(dim=32, hidden_dim=48, n_layers=2, n_heads=2),
@@ -269,6 +290,21 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "detr": dict(DETR_SIZES, encoder_attention_heads=8, decoder_attention_heads=8, backbone_config=RESNET_4_STAGES),
     "table-transformer": DETR_SIZES,
     "yolos": dict(image_size=[32, 48], num_detection_tokens=8),
+    "rt_detr": RT_DETR_SIZES,
+    "rt_detr_v2": RT_DETR_SIZES,
+    "d_fine": D_FINE_SIZES,
+    "deimv2": D_FINE_SIZES,
+    # vision-language models whose sub-configs must agree with each other
+    "glm5_next": dict(text_config=dict(num_key_value_heads=2, indexer_types=["full", "full"], index_head_dim=16,
+                                       index_n_heads=2, linear_head_dim=16, linear_num_heads=2, index_topk=16,
+                                       index_kpool=4, qk_rope_head_dim=0, qk_nope_head_dim=16, qk_head_dim=16),
+                      vision_config=dict(projection_intermediate_size=48)),
+    "hunyuan_vl": dict(vision_config=dict(text_hidden_size=32), text_config=dict(head_dim=16)),
+    "inkling2": dict(vision_config=dict(text_hidden_size=32, projection_hidden_dim=48, posemb_grid_size=4),
+                     text_config=dict(unpadded_vocab_size=97, swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                                      swa_head_dim=16, sliding_window_size=16)),
+    "muse_spark": dict(projector_hidden_size=48, text_config=dict(layer_rope_theta=[500000.0, 0], moe_hidden_size=32),
+                       audio_config=dict(patch_sizes=[16, 6], hidden_sizes=[16, 32], depths=[1, 1])),
     # segmenters (group norms of 32) and depth estimators (4 backbone features)
     "mask2former": dict(backbone_config=SWIN_BACKBONE, feature_size=32, mask_feature_size=32, hidden_dim=32,
                         encoder_feedforward_dim=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2,
@@ -327,7 +363,11 @@ def small_head_config(model_type: str, model_class: str):
     from transformers import AutoConfig
 
     values = _shrunk(AutoConfig.for_model(model_type).to_dict(), untie=model_class not in TIED_HEADS)
-    values.update(HEAD_SIZES_FOR.get(model_type, {}))
+    for key, value in HEAD_SIZES_FOR.get(model_type, {}).items():
+        # a sub-config without a model_type is a change to the shrunk one; with one, it replaces it
+        nested = (isinstance(value, dict) and "model_type" not in value
+                  and isinstance(values.get(key), dict) and "model_type" in values[key])
+        values[key] = {**values[key], **value} if nested else value
     for key in ("model_type", "transformers_version", "architectures", "_name_or_path"):
         values.pop(key, None)
     config = AutoConfig.for_model(model_type, **values)
