@@ -128,18 +128,23 @@ def test_every_family_in_the_sweep_saves_the_files_plain_save_pretrained_writes(
 
 
 PLAIN_LOAD_MISSES_KEYS = {"shieldgemma2"}  # transformers 5.23 does not load its own save of these back whole
+HEAD_KWARGS = {t: {"allow_suspicious_missing_keys": True} for t in PLAIN_LOAD_MISSES_KEYS}
+# OneFormer's loss module has a float64 `logit_scale`: by default it is loaded in the engine's dtype, as zero.Init
+# casts it (ZeRO-3 holds trainable parameters in one dtype); `keep_in_fp32=True` keeps the plain load's dtype
+HEAD_KWARGS["oneformer"] = {"keep_in_fp32": True}
 
 
 @pytest.mark.parametrize("model_class", sorted(HEAD_SWEEP))
 def test_other_heads_load_and_save_like_plain_transformers(workdir, model_class):
-    """Vision-language models, encoder-decoders and sequence classifiers at W=3, each through its own auto class:
-    loaded bit-exact, then saved without a gather into byte for byte the files transformers' save_pretrained writes.
+    """The other heads (vision-language, encoder-decoder, classifiers, detectors, ...) at W=3, each through its own
+    auto class: loaded bit-exact, then saved without a gather into byte for byte the files transformers'
+    save_pretrained writes.
     Seeded like the plain load: a checkpoint transformers itself cannot load back whole (shieldgemma2 saves its
     language model under a prefix its loader does not map) is refused by default (tests/test_missing_and_guards.py);
     with the opt-out it gets the same random init as the plain load for what is missing."""
     cases = [{"name": f"{model_class}/{t}", "path": head_checkpoint(workdir, model_class, t), "dtype": "float32",
               "model_class": model_class, "seed": 0, "out": os.path.join(workdir, f"heads_{model_class}_{t}.pt"),
-              "kwargs": {"allow_suspicious_missing_keys": True} if t in PLAIN_LOAD_MISSES_KEYS else {},
+              "kwargs": HEAD_KWARGS.get(t, {}),
               "save": {"dir": os.path.join(workdir, "heads_saved", model_class, t), "kwargs": {}, "reference": True}}
              for t in HEAD_SWEEP[model_class]]
     dumps = run_torchrun(HEAD_SWEEP_WORLD_SIZE, cases, workdir, timeout=1500)
