@@ -150,16 +150,17 @@ HEAD_SWEEP = {
         "vit_msn"),
     "AutoModelForImageSegmentation": ("detr",),
     "AutoModelForImageTextToText": (
-        "aria", "aya_vision", "blip", "blip-2", "cohere2_vision", "cosmos3_omni", "deepseek_vl", "exaone4_5",
-        "florence2", "fuyu", "gemma3", "git", "glm46v", "glm4v", "glm4v_moe", "glm5_next", "glm_ocr", "glmga",
-        "got_ocr2", "granite_docling", "hunyuan_vl", "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3",
-        "inkling2", "instructblip", "instructblipvideo", "internvl", "janus", "kimi_k25", "kosmos-2", "lfm2_vl",
-        "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video", "llava_onevision", "minicpm_ocr",
-        "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl", "mistral3", "mistral4", "mistral_large4", "mllama",
-        "muse_spark", "ovis2", "paddleocr_vl", "paligemma", "pi0", "pix2struct", "pp_chart2table", "qianfan_ocr",
-        "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker",
-        "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3",
-        "video_llava", "vipllava", "vision-encoder-decoder"),
+        "aria", "aya_vision", "blip", "blip-2", "cohere2_vision", "cosmos3_edge", "cosmos3_omni", "deepseek_vl",
+        "deepseek_vl_hybrid", "exaone4_5", "florence2", "fuyu", "gemma3", "git", "glm46v", "glm4v", "glm4v_moe",
+        "glm5_next", "glm_ocr", "glmga", "got_ocr2", "granite_docling", "hunyuan_vl", "hyperclovax_vision_v2",
+        "idefics", "idefics2", "idefics3", "inkling2", "instructblip", "instructblipvideo", "internvl", "janus",
+        "kimi_k25", "kosmos-2", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video",
+        "llava_onevision", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl", "mistral3", "mistral4",
+        "mistral_large4", "mllama", "muse_glimmer", "muse_spark", "ovis2", "paddleocr_vl", "paligemma", "pi0",
+        "pix2struct", "pp_chart2table", "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl",
+        "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp",
+        "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3", "video_llava", "vipllava",
+        "vision-encoder-decoder"),
     "AutoModelForKeypointDetection": ("superpoint",),
     "AutoModelForMaskedLM": (
         "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
@@ -239,6 +240,7 @@ D_FINE_SIZES = dict(RT_DETR_SIZES, head_dim=16, lqe_hidden_dim=16,
                                      "stage_light_block": [False, False, True, True],
                                      "stage_kernel_size": [3, 3, 5, 5], "stage_numb_of_layers": [2, 2, 2, 2],
                                      "out_features": ["stage2", "stage3", "stage4"]})
+SAM_SIZES = dict(output_channels=16, window_size=2, global_attn_indexes=[1], mlp_dim=48)  # SAM-style image towers
 # head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
 # names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
 # them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
@@ -304,6 +306,10 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                                        index_n_heads=2, linear_head_dim=16, linear_num_heads=2, index_topk=16,
                                        index_kpool=4, qk_rope_head_dim=0, qk_nope_head_dim=16, qk_head_dim=16),
                       vision_config=dict(projection_intermediate_size=48)),
+    "cosmos3_edge": dict(projector_hidden_size=48, vision_config=dict(num_patches=16),
+                         text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 1e8,
+                                                           "mrope_section": [4, 2, 2]})),
+    "deepseek_vl_hybrid": dict(high_res_vision_config=dict(SAM_SIZES, num_pos_feats=16)),
     "hunyuan_vl": dict(vision_config=dict(text_hidden_size=32), text_config=dict(head_dim=16)),
     "inkling2": dict(vision_config=dict(text_hidden_size=32, projection_hidden_dim=48, posemb_grid_size=4),
                      text_config=dict(unpadded_vocab_size=97, swa_num_attention_heads=2, swa_num_key_value_heads=1,
@@ -316,6 +322,9 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "janus": dict(vision_config=dict(num_image_tokens=16),
                   vq_config=dict(num_embeddings=64, latent_channels=8, base_channels=32, channel_multiplier=[1, 2],
                                  num_res_blocks=1, num_patches=4, image_token_embed_dim=32)),
+    "muse_glimmer": dict(projector_hidden_size=48, text_config=dict(layer_rope_theta=[10000.0, 0])),
+    "pp_formulanet": dict(vision_config=dict(SAM_SIZES, post_conv_in_channels=16, post_conv_out_channels=32,
+                                             post_conv_mid_channels=16, decoder_hidden_size=32)),
     "kosmos-2": dict(text_config=dict(layers=2, ffn_dim=48, attention_heads=2), latent_query_num=4),
     # zero-shot and video models
     "align": dict(projection_dim=32,
