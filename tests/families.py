@@ -156,12 +156,13 @@ HEAD_SWEEP = {
         "idefics", "idefics2", "idefics3", "inkling2", "instructblip", "instructblipvideo", "internvl", "janus",
         "kimi_k25", "kosmos-2", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video",
         "llava_onevision", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl", "mistral3", "mistral4",
-        "mistral_large4", "mllama", "muse_glimmer", "muse_spark", "ovis2", "paddleocr_vl", "paligemma", "pi0",
-        "pix2struct", "pp_chart2table", "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl",
-        "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp",
-        "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3", "video_llava", "vipllava",
+        "mistral_large4", "mllama", "muse_glimmer", "muse_spark", "nemotron_h_omni", "ovis2", "paddleocr_vl",
+        "paligemma", "pi0", "pix2struct", "pp_chart2table", "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker",
+        "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe",
+        "qwen4_exp", "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3", "video_llava", "vipllava",
         "vision-encoder-decoder"),
     "AutoModelForKeypointDetection": ("superpoint",),
+    "AutoModelForMaskGeneration": ("sam2",),
     "AutoModelForMaskedLM": (
         "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
         "distilbert", "electra", "ernie", "esm", "esmc", "eurobert", "flaubert", "fnet", "gte", "ibert",
@@ -194,6 +195,7 @@ HEAD_SWEEP = {
     "AutoModelForSpeechSeq2Seq": (
         "canary", "cohere_asr", "dia", "granite_speech", "moonshine", "moonshine_streaming", "pop2piano",
         "speech-encoder-decoder", "speech_to_text", "whisper"),
+    "AutoModelForTextToWaveform": ("musicgen",),
     "AutoModelForTokenClassification": ("distilbert", "esm", "esmc", "flaubert", "luke", "squeezebert", "t5gemma"),
     "AutoModelForUniversalSegmentation": ("eomt", "mask2former", "maskformer", "oneformer"),
     "AutoModelForVideoClassification": ("vjepa2",),
@@ -323,6 +325,11 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                   vq_config=dict(num_embeddings=64, latent_channels=8, base_channels=32, channel_multiplier=[1, 2],
                                  num_res_blocks=1, num_patches=4, image_token_embed_dim=32)),
     "muse_glimmer": dict(projector_hidden_size=48, text_config=dict(layer_rope_theta=[10000.0, 0])),
+    "nemotron_h_omni": dict(projector_hidden_size=48, vision_hidden_size=32,
+                            text_config=dict(layers_block_type=["mamba", "moe"], ssm_state_size=8, mamba_num_heads=4,
+                                             mamba_head_dim=16, n_groups=1, chunk_size=16,
+                                             moe_shared_expert_intermediate_size=24),
+                            vision_config=dict(num_registers=1, max_img_size=64, patch_dim=192, video_patch_dim=384)),
     "pp_formulanet": dict(vision_config=dict(SAM_SIZES, post_conv_in_channels=16, post_conv_out_channels=32,
                                              post_conv_mid_channels=16, decoder_hidden_size=32)),
     "kosmos-2": dict(text_config=dict(layers=2, ffn_dim=48, attention_heads=2), latent_query_num=4),
@@ -338,7 +345,20 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                                             "out_features": ["stage1", "stage2", "stage3"]}),
     "vjepa2": dict(patch_size=8, crop_size=32, frames_per_clip=4, num_pooler_layers=1, pred_hidden_size=32,
                    pred_num_attention_heads=2, pred_num_hidden_layers=2, pred_num_mask_tokens=2),
-    # speech models
+    "sam2": dict(vision_config=dict(backbone_config=dict(hidden_size=16, embed_dim_per_stage=[16, 32, 32, 32],
+                                                         num_attention_heads_per_stage=[1, 1, 2, 2],
+                                                         blocks_per_stage=[1, 1, 1, 1],
+                                                         window_size_per_stage=[2, 2, 2, 2],
+                                                         global_attention_blocks=[2], image_size=64,
+                                                         window_positional_embedding_background_size=[2, 2]),
+                                    backbone_channel_list=[32, 32, 32, 16], fpn_hidden_size=32,
+                                    backbone_feature_sizes=[[16, 16], [8, 8], [4, 4]]),
+                 mask_decoder_config=dict(mlp_dim=48, iou_head_hidden_dim=16),
+                 prompt_encoder_config=dict(image_size=64, patch_size=16)),
+    # speech and audio models
+    "musicgen": dict(decoder=dict(ffn_dim=48),
+                     audio_encoder=dict(num_filters=8, upsampling_ratios=[2, 2], codebook_size=16, codebook_dim=8,
+                                        num_lstm_layers=1)),
     "dia": dict(decoder_config=dict(cross_num_attention_heads=2, cross_head_dim=16, cross_num_key_value_heads=1,
                                     cross_hidden_size=32, num_channels=3), delay_pattern=[0, 1, 2]),
     "granite_speech": dict(audio_token_index=3, projector_config=dict(encoder_hidden_size=32),
@@ -402,15 +422,22 @@ def _tokens_in_small_vocabulary(values: dict, keys=None) -> dict:
             and isinstance(value, int) and not isinstance(value, bool) and value >= SMALL["vocab_size"]}
 
 
+def _changed(values: dict, changes: dict) -> dict:
+    """`values` with `changes`: a sub-config given without a model_type changes the shrunk one (recursively); with
+    one, it replaces it."""
+    out = dict(values)
+    for key, value in changes.items():
+        nested = (isinstance(value, dict) and "model_type" not in value
+                  and isinstance(values.get(key), dict) and "model_type" in values[key])
+        out[key] = _changed(values[key], value) if nested else value
+    return out
+
+
 def small_head_config(model_type: str, model_class: str):
     from transformers import AutoConfig
 
     values = _shrunk(AutoConfig.for_model(model_type).to_dict(), untie=model_class not in TIED_HEADS)
-    for key, value in HEAD_SIZES_FOR.get(model_type, {}).items():
-        # a sub-config without a model_type is a change to the shrunk one; with one, it replaces it
-        nested = (isinstance(value, dict) and "model_type" not in value
-                  and isinstance(values.get(key), dict) and "model_type" in values[key])
-        values[key] = {**values[key], **value} if nested else value
+    values = _changed(values, HEAD_SIZES_FOR.get(model_type, {}))
     for key in ("model_type", "transformers_version", "architectures", "_name_or_path"):
         values.pop(key, None)
     config = AutoConfig.for_model(model_type, **values)
