@@ -89,18 +89,18 @@ NOT_BUILT: dict[str, str] = {
     "dots3_note_text": "its per-layer configs keep full-size attention ranks: 38M parameters when shrunk",
     "emu3": "the causal-LM class takes its text config only, not the composite one",
     "gemma3n": "a multimodal wrapper of gemma3n_text, which is swept",
-    "gemma4": "a multimodal wrapper of gemma4_text, which is swept",
+    "gemma4": "a multimodal wrapper of gemma4_text, which is swept; swept whole in the head sweep",
     "gemma4_assistant": "a draft model: its config validator refuses the small layout",
-    "gemma4_unified": "a multimodal wrapper of gemma4_text, which is swept",
+    "gemma4_unified": "a multimodal wrapper of gemma4_text, which is swept; swept whole in the head sweep",
     "gemma4_unified_assistant": "a draft model: its config validator refuses the small layout",
     "marian": "a translation decoder; encoder-decoders are in the head sweep",
     "mllama": "the causal-LM class takes its text config only; swept as a vision-language model in the head sweep",
     "musicgen": "an audio decoder with a composite config",
     "musicgen_melody": "an audio decoder with a composite config",
     "phi4_multimodal": "its vision and audio towers keep their sizes: 870M parameters when shrunk",
-    "roc_bert": "13.5M parameters when shrunk: pronunciation and shape vocabularies",
+    "roc_bert": "13.5M parameters when shrunk: pronunciation and shape vocabularies (the head sweep shrinks them)",
     "whisper": "a speech decoder; swept whole in the head sweep (speech recognition, audio classification)",
-    "xlnet": "no position limit to shrink: its config refuses max_position_embeddings",
+    "xlnet": "its config refuses max_position_embeddings; swept with its own sizes in the head sweep",
 }
 
 
@@ -151,16 +151,16 @@ HEAD_SWEEP = {
     "AutoModelForImageSegmentation": ("detr",),
     "AutoModelForImageTextToText": (
         "aria", "aya_vision", "blip", "blip-2", "cohere2_vision", "cosmos3_edge", "cosmos3_omni", "deepseek_vl",
-        "deepseek_vl_hybrid", "exaone4_5", "florence2", "fuyu", "gemma3", "git", "glm46v", "glm4v", "glm4v_moe",
-        "glm5_next", "glm_ocr", "glmga", "got_ocr2", "granite_docling", "hunyuan_vl", "hyperclovax_vision_v2",
-        "idefics", "idefics2", "idefics3", "inkling2", "instructblip", "instructblipvideo", "internvl", "janus",
-        "kimi_k25", "kosmos-2", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video",
-        "llava_onevision", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl", "mistral3", "mistral4",
-        "mistral_large4", "mllama", "muse_glimmer", "muse_spark", "nemotron_h_omni", "ovis2", "paddleocr_vl",
-        "paligemma", "pi0", "pix2struct", "pp_chart2table", "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker",
-        "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe",
-        "qwen4_exp", "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3", "video_llava", "vipllava",
-        "vision-encoder-decoder"),
+        "deepseek_vl_hybrid", "exaone4_5", "florence2", "fuyu", "gemma3", "gemma4", "gemma4_unified", "git", "glm46v",
+        "glm4v", "glm4v_moe", "glm5_next", "glm_ocr", "glmga", "got_ocr2", "granite_docling", "hunyuan_vl",
+        "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3", "inkling2", "instructblip", "instructblipvideo",
+        "internvl", "janus", "kimi_k25", "kosmos-2", "lfm2_vl", "lfm3_vl", "lighton_ocr", "llava", "llava_next",
+        "llava_next_video", "llava_onevision", "minicpm_ocr", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl",
+        "mistral3", "mistral4", "mistral_large4", "mllama", "muse_glimmer", "muse_spark", "nemotron_h_omni", "ovis2",
+        "paddleocr_vl", "paligemma", "pi0", "pix2struct", "pp_chart2table", "pp_formulanet", "qianfan_ocr",
+        "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe", "qwen3_omni_moe_thinker",
+        "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm", "step3p7", "udop", "video_llama_3",
+        "video_llava", "vipllava", "vision-encoder-decoder"),
     "AutoModelForImageToImage": ("swin2sr",),
     "AutoModelForKeypointDetection": ("superpoint",),
     "AutoModelForKeypointMatching": ("superglue",),
@@ -170,11 +170,12 @@ HEAD_SWEEP = {
         "distilbert", "electra", "ernie", "esm", "esmc", "eurobert", "flaubert", "fnet", "gte", "ibert",
         "jina_embeddings_v3", "layoutlm", "longformer", "luke", "mbart", "megatron-bert", "modernbert", "modernvbert",
         "mpnet", "mra", "mvp", "neomme", "nomic_bert", "nystromformer", "rembert", "roberta", "roberta-prelayernorm",
-        "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert", "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
+        "roc_bert", "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert", "xlm-roberta", "xlm-roberta-xl",
+        "xmod", "yoso"),
     "AutoModelForObjectDetection": (
         "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "rt_detr", "rt_detr_v2",
         "table-transformer", "yolos"),
-    "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert"),
+    "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert", "xlnet"),
     "AutoModelForSemanticSegmentation": ("beit", "upernet"),
     "AutoModelForSeq2SeqLM": (
         "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "encoder-decoder", "fsmt",
@@ -191,18 +192,19 @@ HEAD_SWEEP = {
         "mobilebert", "modernbert", "modernbert-decoder", "modernvbert", "mpnet", "mpt", "mra", "mt5", "mvp",
         "nomic_bert", "nystromformer", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "phimoe", "plbart",
         "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rembert", "roberta",
-        "roberta-prelayernorm", "roformer", "seed_oss", "smollm3", "squeezebert", "stablelm", "starcoder2", "t5",
-        "t5gemma", "t5gemma2", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl", "xmod",
-        "yoso"),
+        "roberta-prelayernorm", "roc_bert", "roformer", "seed_oss", "smollm3", "squeezebert", "stablelm", "starcoder2",
+        "t5", "t5gemma", "t5gemma2", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl",
+        "xlnet", "xmod", "yoso"),
     "AutoModelForSpeechSeq2Seq": (
         "canary", "cohere_asr", "dia", "granite_speech", "moonshine", "moonshine_streaming", "pop2piano",
         "speech-encoder-decoder", "speech_to_text", "whisper"),
     "AutoModelForTextToWaveform": ("musicgen", "vits"),
-    "AutoModelForTokenClassification": ("distilbert", "esm", "esmc", "flaubert", "luke", "squeezebert", "t5gemma"),
+    "AutoModelForTokenClassification": (
+        "distilbert", "esm", "esmc", "flaubert", "luke", "squeezebert", "t5gemma", "xlnet"),
     "AutoModelForUniversalSegmentation": ("eomt", "mask2former", "maskformer", "oneformer"),
     "AutoModelForVideoClassification": ("vjepa2",),
     "AutoModelForZeroShotImageClassification": ("align",),
-    "AutoModelForZeroShotObjectDetection": ("grounding-dino",),
+    "AutoModelForZeroShotObjectDetection": ("grounding-dino", "mm-grounding-dino"),
 }
 HEAD_SWEEP_WORLD_SIZE = 3
 TIED_HEADS = ("AutoModelForMaskedLM",)
@@ -217,6 +219,11 @@ PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "moe_layers", "mlp_only_laye
                    "deepstack_visual_indexes", "vision_feature_layer", "mlp_layer_types", "kv_source_layers")
 # a backbone's stages and the stages it outputs, rebuilt by its config from its (fewer) layers
 NEW_STAGES = dict(stage_names=None, out_features=None, out_indices=None)
+def small_tower(model_type: str) -> dict:
+    """A sub-config a composite's default config leaves out (None), added as `model_type`'s defaults shrunk."""
+    return {"model_type": model_type, "shrunk": True}
+
+
 # small backbones for the detectors and segmenters (transformers' own classes: timm is not installed)
 RESNET_BACKBONE = {"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [16, 32], "depths": [1, 1],
                    "out_features": ["stage1", "stage2"]}
@@ -245,6 +252,11 @@ D_FINE_SIZES = dict(RT_DETR_SIZES, head_dim=16, lqe_hidden_dim=16,
                                      "stage_kernel_size": [3, 3, 5, 5], "stage_numb_of_layers": [2, 2, 2, 2],
                                      "out_features": ["stage2", "stage3", "stage4"]})
 SAM_SIZES = dict(output_channels=16, window_size=2, global_attn_indexes=[1], mlp_dim=48)  # SAM-style image towers
+GROUNDING_DINO_SIZES = dict(use_timm_backbone=False, num_queries=8, d_model=32, encoder_ffn_dim=48,
+                            decoder_ffn_dim=48, encoder_attention_heads=2, decoder_attention_heads=2,
+                            num_feature_levels=3, encoder_n_points=2, decoder_n_points=2, max_text_len=16,
+                            backbone_config={**SWIN_BACKBONE, "depths": [1, 1, 1], "num_heads": [1, 2, 2],
+                                             "out_features": ["stage1", "stage2", "stage3"]})
 # head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
 # names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
 # them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
@@ -255,6 +267,8 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "esmc": dict(num_key_value_heads=2),  # refuses grouped-query attention
     "flaubert": dict(emb_dim=32, n_layers=2, n_heads=2),
     "luke": dict(entity_vocab_size=50, entity_emb_size=16),
+    "roc_bert": dict(pronunciation_vocab_size=16, shape_vocab_size=16, pronunciation_embed_dim=8, shape_embed_dim=8),
+    "xlnet": dict(d_model=32, n_layer=2, n_head=2, d_inner=48, d_head=16),
     "neomme": dict(per_layer_config={"01": {"sliding_window": None}}, embedding_rank=16, embedding_dim=16,
                    sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     "squeezebert": dict(embedding_size=32, q_groups=2, k_groups=2, v_groups=2, intermediate_groups=2, output_groups=2),
@@ -306,6 +320,10 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "d_fine": D_FINE_SIZES,
     "deimv2": D_FINE_SIZES,
     # vision-language models whose sub-configs must agree with each other
+    # Gemma 4's default config has no towers: its vision and audio towers are added, small
+    "gemma4": dict(text_config=dict(SIZES_FOR["gemma4_text"], per_layer_config={}),
+                   vision_config=small_tower("gemma4_vision"), audio_config=small_tower("gemma4_audio")),
+    "gemma4_unified": dict(text_config=dict(SIZES_FOR["gemma4_unified_text"], per_layer_config={})),
     "glm5_next": dict(text_config=dict(num_key_value_heads=2, indexer_types=["full", "full"], index_head_dim=16,
                                        index_n_heads=2, linear_head_dim=16, linear_num_heads=2, index_topk=16,
                                        index_kpool=4, qk_rope_head_dim=0, qk_nope_head_dim=16, qk_head_dim=16),
@@ -340,11 +358,8 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                   vision_config=dict(kernel_sizes=[3, 3], in_channels=[16, 16], out_channels=[16, 24], strides=[1, 2],
                                      num_block_repeats=[1, 1], expand_ratios=[1, 2], hidden_dim=64,
                                      width_coefficient=1.0, depth_coefficient=1.0)),
-    "grounding-dino": dict(use_timm_backbone=False, num_queries=8, d_model=32, encoder_ffn_dim=48, decoder_ffn_dim=48,
-                           encoder_attention_heads=2, decoder_attention_heads=2, num_feature_levels=3,
-                           encoder_n_points=2, decoder_n_points=2, max_text_len=16,
-                           backbone_config={**SWIN_BACKBONE, "depths": [1, 1, 1], "num_heads": [1, 2, 2],
-                                            "out_features": ["stage1", "stage2", "stage3"]}),
+    "grounding-dino": GROUNDING_DINO_SIZES,
+    "mm-grounding-dino": GROUNDING_DINO_SIZES,
     "vjepa2": dict(patch_size=8, crop_size=32, frames_per_clip=4, num_pooler_layers=1, pred_hidden_size=32,
                    pred_num_attention_heads=2, pred_num_hidden_layers=2, pred_num_mask_tokens=2),
     "sam2": dict(vision_config=dict(backbone_config=dict(hidden_size=16, embed_dim_per_stage=[16, 32, 32, 32],
@@ -441,10 +456,14 @@ def _tokens_in_small_vocabulary(values: dict, keys=None) -> dict:
 def _changed(values: dict, changes: dict) -> dict:
     """`values` with `changes`: a sub-config given without a model_type changes the shrunk one (recursively); with
     one, it replaces it."""
+    from transformers import AutoConfig
+
     out = dict(values)
     for key, value in changes.items():
         nested = (isinstance(value, dict) and "model_type" not in value
                   and isinstance(values.get(key), dict) and "model_type" in values[key])
+        if isinstance(value, dict) and value.get("shrunk"):
+            value = _shrunk(AutoConfig.for_model(value["model_type"]).to_dict())
         out[key] = _changed(values[key], value) if nested else value
     return out
 
