@@ -140,14 +140,15 @@ HEAD_SWEEP = {
     "AutoModelForAudioClassification": (
         "audio-spectrogram-transformer", "wav2vec2-bert", "wav2vec2-conformer", "whisper"),
     "AutoModelForCTC": (
-        "data2vec-audio", "hubert", "lasr_ctc", "parakeet_ctc", "sew", "sew-d", "unispeech", "unispeech-sat",
-        "wav2vec2", "wavlm"),
-    "AutoModelForDepthEstimation": ("depth_anything", "prompt_depth_anything", "zoedepth"),
+        "data2vec-audio", "granite_speech5_ctc", "hubert", "lasr_ctc", "parakeet_ctc", "sew", "sew-d", "unispeech",
+        "unispeech-sat", "wav2vec2", "wavlm"),
+    "AutoModelForDepthEstimation": (
+        "chmv2", "depth_anything", "depth_pro", "prompt_depth_anything", "tipsv2_dpt", "zoedepth"),
     "AutoModelForImageClassification": (
         "beit", "bit", "clip", "convnext", "convnextv2", "cvt", "data2vec-vision", "dinov2", "dinov2_with_registers",
-        "donut-swin", "efficientnet", "hgnet_v2", "hiera", "ijepa", "imagegpt", "metaclip_2", "mobilenet_v2",
-        "poolformer", "pp_lcnet", "pvt", "regnet", "resnet", "siglip", "siglip2", "swin", "swinv2", "textnet", "vit",
-        "vit_msn"),
+        "donut-swin", "efficientnet", "hgnet_v2", "hiera", "ijepa", "imagegpt", "levit", "metaclip_2", "mobilenet_v2",
+        "perceiver", "poolformer", "pp_lcnet", "pvt", "regnet", "resnet", "siglip", "siglip2", "swin", "swinv2",
+        "textnet", "vit", "vit_msn"),
     "AutoModelForImageSegmentation": ("detr",),
     "AutoModelForImageTextToText": (
         "aria", "aya_vision", "blip", "blip-2", "chameleon", "cohere2_vision", "cohere_compass", "cosmos3_edge",
@@ -165,19 +166,19 @@ HEAD_SWEEP = {
     "AutoModelForImageToImage": ("swin2sr",),
     "AutoModelForKeypointDetection": ("superpoint",),
     "AutoModelForKeypointMatching": ("superglue",),
-    "AutoModelForMaskGeneration": ("sam2",),
+    "AutoModelForMaskGeneration": ("edgetam_video", "sam2", "sam2_video"),
     "AutoModelForMaskedLM": (
         "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
         "distilbert", "electra", "ernie", "esm", "esmc", "eurobert", "flaubert", "fnet", "gte", "ibert",
         "jina_embeddings_v3", "layoutlm", "longformer", "luke", "mbart", "megatron-bert", "modernbert", "modernvbert",
-        "mpnet", "mra", "mvp", "neomme", "nomic_bert", "nystromformer", "rembert", "roberta", "roberta-prelayernorm",
-        "roc_bert", "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert", "xlm-roberta", "xlm-roberta-xl",
-        "xmod", "yoso"),
+        "mpnet", "mra", "mvp", "neomme", "nomic_bert", "nystromformer", "perceiver", "rembert", "roberta",
+        "roberta-prelayernorm", "roc_bert", "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert",
+        "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
     "AutoModelForObjectDetection": (
         "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "rt_detr", "rt_detr_v2",
         "table-transformer", "yolos"),
     "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert", "xlnet"),
-    "AutoModelForSemanticSegmentation": ("beit", "upernet"),
+    "AutoModelForSemanticSegmentation": ("beit", "sapiens2", "tipsv2_dpt", "upernet"),
     "AutoModelForSeq2SeqLM": (
         "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "encoder-decoder", "fsmt",
         "glmasr", "led", "longt5", "m2m_100", "marian", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo",
@@ -191,7 +192,8 @@ HEAD_SWEEP = {
         "jamba", "jetmoe", "jina_embeddings_v3", "layoutlm", "layoutlmv3", "lilt", "llama", "longformer", "luke",
         "markuplm", "mbart", "megatron-bert", "minicpm3", "minimax", "ministral3", "mistral", "mistral4", "mixtral",
         "mobilebert", "modernbert", "modernbert-decoder", "modernvbert", "mpnet", "mpt", "mra", "mt5", "mvp",
-        "nomic_bert", "nystromformer", "olmo", "olmo2", "olmo3", "opt", "persimmon", "phi", "phi3", "phimoe", "plbart",
+        "nomic_bert", "nystromformer", "olmo", "olmo2", "olmo3", "opt", "perceiver", "persimmon", "phi", "phi3",
+        "phimoe", "plbart",
         "qwen2", "qwen2_moe", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_moe", "qwen3_next", "rembert", "roberta",
         "roberta-prelayernorm", "roc_bert", "roformer", "seed_oss", "smollm3", "squeezebert", "stablelm", "starcoder2",
         "t5", "t5gemma", "t5gemma2", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl",
@@ -199,12 +201,14 @@ HEAD_SWEEP = {
     "AutoModelForSpeechSeq2Seq": (
         "canary", "cohere_asr", "dia", "fun_asr_nano", "granite_speech", "moonshine", "moonshine_streaming",
         "pop2piano", "speech-encoder-decoder", "speech_to_text", "whisper"),
-    "AutoModelForTextToWaveform": ("musicgen", "vits"),
+    "AutoModelForTextToWaveform": (
+        "bark", "csm", "fastspeech2_conformer_with_hifigan", "musicgen", "musicgen_melody", "qwen2_5_omni",
+        "qwen3_omni_moe", "vits"),
     "AutoModelForTokenClassification": (
         "distilbert", "esm", "esmc", "flaubert", "luke", "squeezebert", "t5gemma", "xlnet"),
-    "AutoModelForUniversalSegmentation": ("eomt", "mask2former", "maskformer", "oneformer"),
+    "AutoModelForUniversalSegmentation": ("eomt", "eomt_dinov3", "mask2former", "maskformer", "oneformer", "videomt"),
     "AutoModelForVideoClassification": ("vjepa2",),
-    "AutoModelForZeroShotImageClassification": ("align",),
+    "AutoModelForZeroShotImageClassification": ("align", "tipsv2"),
     "AutoModelForZeroShotObjectDetection": ("grounding-dino", "mm-grounding-dino"),
 }
 HEAD_SWEEP_WORLD_SIZE = 3
@@ -264,6 +268,26 @@ DEPTH_ANYTHING_SIZES = dict(backbone_config={"model_type": "dinov2", "hidden_siz
                                              "reshape_hidden_states": False},
                             reassemble_hidden_size=32, neck_hidden_sizes=[8, 16, 24, 32], fusion_hidden_size=16,
                             head_hidden_size=8)
+SMALL_DPT_NECK = dict(neck_hidden_sizes=[8, 16, 16, 32], fusion_hidden_size=16)  # DPT-style depth heads
+DEPTH_PRO_TOWER = dict(NEW_STAGES, out_indices=[2], image_size=32, patch_size=8)  # one feature from 2 DINOv2 layers
+ENCODEC_SMALL = dict(num_filters=8, upsampling_ratios=[2, 2], codebook_size=16, codebook_dim=8, num_lstm_layers=1)
+BARK_SUB_MODEL = dict(input_vocab_size=96, output_vocab_size=96, block_size=64)
+CONFORMER_SMALL = dict(num_attention_heads=2, layers=2, kernel_size=7, attention_dropout_rate=0.2, dropout_rate=0.2,
+                       positional_dropout_rate=0.2, linear_units=48, normalize_before=False, concat_after=False)
+SAM2_SIZES = dict(vision_config=dict(backbone_config=dict(hidden_size=16, embed_dim_per_stage=[16, 32, 32, 32],
+                                                          num_attention_heads_per_stage=[1, 1, 2, 2],
+                                                          blocks_per_stage=[1, 1, 1, 1],
+                                                          window_size_per_stage=[2, 2, 2, 2],
+                                                          global_attention_blocks=[2], image_size=64,
+                                                          window_positional_embedding_background_size=[2, 2]),
+                                     backbone_channel_list=[32, 32, 32, 16], fpn_hidden_size=32,
+                                     backbone_feature_sizes=[[16, 16], [8, 8], [4, 4]]),
+                  mask_decoder_config=dict(mlp_dim=48, iou_head_hidden_dim=16),
+                  prompt_encoder_config=dict(image_size=64, patch_size=16))
+SAM2_VIDEO_MEMORY = dict(image_size=64, memory_attention_hidden_size=32, memory_attention_rope_feat_sizes=[4, 4],
+                         memory_encoder_hidden_size=32, memory_encoder_output_channels=16,
+                         mask_downsampler_embed_dim=32, memory_fuser_embed_dim=32, memory_fuser_intermediate_dim=48,
+                         num_maskmem=2, memory_attention_num_layers=1)
 # head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
 # names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
 # them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
@@ -364,20 +388,44 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "mm-grounding-dino": GROUNDING_DINO_SIZES,
     "vjepa2": dict(patch_size=8, crop_size=32, frames_per_clip=4, num_pooler_layers=1, pred_hidden_size=32,
                    pred_num_attention_heads=2, pred_num_hidden_layers=2, pred_num_mask_tokens=2),
-    "sam2": dict(vision_config=dict(backbone_config=dict(hidden_size=16, embed_dim_per_stage=[16, 32, 32, 32],
-                                                         num_attention_heads_per_stage=[1, 1, 2, 2],
-                                                         blocks_per_stage=[1, 1, 1, 1],
-                                                         window_size_per_stage=[2, 2, 2, 2],
-                                                         global_attention_blocks=[2], image_size=64,
-                                                         window_positional_embedding_background_size=[2, 2]),
-                                    backbone_channel_list=[32, 32, 32, 16], fpn_hidden_size=32,
-                                    backbone_feature_sizes=[[16, 16], [8, 8], [4, 4]]),
-                 mask_decoder_config=dict(mlp_dim=48, iou_head_hidden_dim=16),
-                 prompt_encoder_config=dict(image_size=64, patch_size=16)),
+    "sam2": SAM2_SIZES,
     # speech and audio models
-    "musicgen": dict(decoder=dict(ffn_dim=48),
-                     audio_encoder=dict(num_filters=8, upsampling_ratios=[2, 2], codebook_size=16, codebook_dim=8,
-                                        num_lstm_layers=1)),
+    "musicgen": dict(decoder=dict(ffn_dim=48), audio_encoder=ENCODEC_SMALL),
+    "musicgen_melody": dict(decoder=dict(ffn_dim=48), audio_encoder=ENCODEC_SMALL),
+    "bark": dict(semantic_config=BARK_SUB_MODEL, coarse_acoustics_config=BARK_SUB_MODEL,
+                 fine_acoustics_config=dict(BARK_SUB_MODEL, n_codes_total=4, n_codes_given=1),
+                 codec_config=ENCODEC_SMALL),
+    "csm": dict(num_codebooks=4, text_vocab_size=97, codebook_pad_token_id=2,
+                depth_decoder_config=dict(num_codebooks=4, backbone_hidden_size=32),
+                codec_config=dict(num_filters=8, upsampling_ratios=[2, 2], codebook_size=16, codebook_dim=8,
+                                  num_quantizers=4, vector_quantization_hidden_dimension=8, upsample_groups=16,
+                                  sliding_window=16)),  # a Mimi codec
+    # the conformer's sizes live in derived encoder/decoder dicts, which a saved config carries and wins with
+    "fastspeech2_conformer_with_hifigan": dict(
+        model_config=dict(num_mel_bins=16, encoder_linear_units=48, decoder_linear_units=48, decoder_kernel_size=7,
+                          speech_decoder_postnet_layers=2, speech_decoder_postnet_units=16,
+                          duration_predictor_channels=16, energy_predictor_channels=16, pitch_predictor_layers=2,
+                          pitch_predictor_channels=16, max_source_positions=64,
+                          encoder_config=CONFORMER_SMALL, decoder_config=CONFORMER_SMALL),
+        vocoder_config=dict(model_in_dim=16, upsample_initial_channel=16, upsample_rates=[2, 2],
+                            upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]])),
+    "granite_speech5_ctc": dict(encoder_config=dict(context_size=16)),
+    "qwen2_5_omni": dict(talker_config=dict(embedding_size=32, max_window_layers=2),  # the thinker's hidden size
+                         token2wav_config=dict(
+                             dit_config=dict(emb_dim=16, num_embeds=16, mel_dim=16, enc_emb_dim=16, enc_dim=16,
+                                             enc_channels=[16, 16, 16, 16, 48], enc_attention_channels=8,
+                                             enc_se_channels=8, look_ahead_layers=[1], look_backward_layers=[0, 1]),
+                             bigvgan_config=dict(mel_dim=16, upsample_initial_channel=32, resblock_kernel_sizes=[3],
+                                                 resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[2, 2],
+                                                 upsample_kernel_sizes=[4, 4]))),
+    # its MoE thinker and MoE talker small; the talker's config classes leave out two fields its modeling code reads
+    "qwen3_omni_moe": dict(thinker_config=dict(audio_config=dict(output_dim=32, downsample_hidden_size=16)),
+                           talker_config=dict(thinker_hidden_size=32, spatial_merge_size=2,
+                                              text_config=dict(shared_expert_intermediate_size=24),
+                                              codec_eos_token_id=90, codec_nothink_id=91, codec_think_bos_id=92,
+                                              codec_think_eos_id=93, codec_pad_id=94, codec_bos_id=95),
+                           code2wav_config=dict(codebook_size=16, decoder_dim=32, upsample_rates=[2, 2],
+                                                sliding_window=16)),
     "vits": dict(hidden_size=32, ffn_dim=48, flow_size=16, spectrogram_bins=17, upsample_initial_channel=16,
                  upsample_rates=[2, 2], upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3],
                  resblock_dilation_sizes=[[1, 3]], duration_predictor_filter_channels=16,
@@ -470,6 +518,36 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "upernet": dict(backbone_config=RESNET_4_STAGES, hidden_size=16, auxiliary_channels=16, pool_scales=[1, 2]),
     "depth_anything": DEPTH_ANYTHING_SIZES,
     "prompt_depth_anything": DEPTH_ANYTHING_SIZES,
+    "chmv2": dict(backbone_config={"model_type": "dinov3_vit", "hidden_size": 32, "num_hidden_layers": 4,
+                                   "num_attention_heads": 2, "intermediate_size": 48, "image_size": 32,
+                                   "patch_size": 8, "out_indices": [1, 2, 3, 4]},
+                  fusion_hidden_size=16, post_process_channels=[8, 16, 16, 32], head_hidden_size=8,
+                  number_output_channels=16),
+    "tipsv2_dpt": dict(SMALL_DPT_NECK, backbone_config={"model_type": "tipsv2_vision_model", "hidden_size": 32,
+                                                        "num_hidden_layers": 4, "num_attention_heads": 2,
+                                                        "intermediate_size": 48, "image_size": 28, "patch_size": 14,
+                                                        "out_indices": [1, 2, 3, 4]}),
+    "depth_pro": dict(image_model_config=DEPTH_PRO_TOWER, patch_model_config=DEPTH_PRO_TOWER,
+                      fov_model_config=DEPTH_PRO_TOWER, patch_size=32, intermediate_hook_ids=[1, 0],
+                      intermediate_feature_dims=[16, 16], scaled_images_feature_dims=[32, 32, 16],
+                      fusion_hidden_size=16),
+    "sapiens2": dict(stage_names=["stem", "stage1", "stage2"], out_features=["stage2"], out_indices=[2],
+                     head_config=dict(upsample_out_channels=[16, 16], upsample_kernel_sizes=[4, 4],
+                                      conv_out_channels=[16], conv_kernel_sizes=[1], use_pixel_shuffle=False)),
+    "tipsv2": dict(vision_config=dict(NEW_STAGES, out_indices=[2], image_size=28)),
+    # the auto class picks one of several heads by the config's `architectures`
+    "levit": dict(architectures=["LevitForImageClassification"], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+                  depths=[1, 1], key_dim=[8, 8], drop_path_rate=0, mlp_ratio=[2, 2], attention_ratio=[2, 2],
+                  down_ops=[["Subsample", 8, 1, 4, 2, 2]], image_size=32, kernel_size=3, patch_size=16),
+    "perceiver": dict(architectures=["PerceiverForImageClassificationLearned"], num_latents=8, d_latents=32,
+                      d_model=32, num_blocks=1, num_self_attends_per_block=2, num_self_attention_heads=2,
+                      num_cross_attention_heads=2, image_size=16, qk_channels=None, v_channels=None),
+    "sam2_video": dict(SAM2_SIZES, **SAM2_VIDEO_MEMORY, memory_attention_feed_forward_hidden_size=48),
+    "edgetam_video": dict(SAM2_SIZES, **SAM2_VIDEO_MEMORY, memory_attention_mlp_hidden_size=48,
+                          memory_attention_rope_k_sizes=[2, 2], perceiver_resampler_num_latents=4,
+                          perceiver_resampler_num_latents_2d=4, perceiver_resampler_hidden_size=16,
+                          perceiver_resampler_mlp_intermediate_size=32, perceiver_resampler_attention_head_dim=16,
+                          perceiver_resampler_num_layers=1),
     "swin2sr": dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4, image_size=16, num_layers=2),
     "superglue": dict(hidden_size=32, keypoint_encoder_sizes=[8, 16], gnn_layers_types=["self", "cross"],
                       num_attention_heads=2),
@@ -530,9 +608,9 @@ def small_head_config(model_type: str, model_class: str):
     from transformers import AutoConfig
 
     values = _shrunk(AutoConfig.for_model(model_type).to_dict(), untie=model_class not in TIED_HEADS)
-    values = _changed(values, HEAD_SIZES_FOR.get(model_type, {}))
     for key in ("model_type", "transformers_version", "architectures", "_name_or_path"):
         values.pop(key, None)
+    values = _changed(values, HEAD_SIZES_FOR.get(model_type, {}))  # may name the `architectures` an auto class picks
     config = AutoConfig.for_model(model_type, **values)
     if model_class == "AutoModelForSequenceClassification":
         config.num_labels = 3
@@ -541,14 +619,25 @@ def small_head_config(model_type: str, model_class: str):
     return config
 
 
+# files beside the weights that a model's own from_pretrained reads, and refuses to load without. Their saves are
+# checked byte for byte but not loaded back: save_pretrained does not write these files, and Qwen2.5-Omni's
+# from_pretrained fails with output_loading_info=True (transformers 5.23 calls load_speakers on the returned tuple).
+EXTRA_FILES_FOR = {"qwen2_5_omni": "spk_dict.pt"}  # Qwen2.5-Omni's speakers (torch.save of name -> tensors)
+
+
 def head_checkpoint(workdir: str, model_class: str, model_type: str) -> str:
+    import torch
     import transformers
 
     from tests.checkpoints import make_checkpoint
 
-    return make_checkpoint(os.path.join(workdir, "heads", model_class, model_type), model_type,
+    path = make_checkpoint(os.path.join(workdir, "heads", model_class, model_type), model_type,
                            config=small_head_config(model_type, model_class),
                            model_class=getattr(transformers, model_class))
+    extra = EXTRA_FILES_FOR.get(model_type)
+    if extra and not os.path.exists(os.path.join(path, extra)):
+        torch.save({"Chelsie": {"bos_token": 2}}, os.path.join(path, extra))
+    return path
 
 
 def _settable(config, key: str) -> bool:
