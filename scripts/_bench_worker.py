@@ -342,6 +342,9 @@ def main() -> None:
 
     import deepspeed
     import deepspeed.runtime.zero.partition_parameters  # noqa: F401
+    # DeepSpeedConfig imports its AutoEP section's module (and AutoEP's presets) the first time it parses a config,
+    # inside zero.Init on both paths (~0.01 s here): a lazy import like transformers', kept out of the window
+    import deepspeed.module_inject.auto_ep_config  # noqa: F401
     import transformers
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401  (lazy import kept out of the window)
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
