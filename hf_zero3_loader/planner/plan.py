@@ -140,38 +140,51 @@ def partition_range(numel: int, group: PartitionGroup) -> tuple[int, int, int]:
     return start, min(start + per_rank, numel), per_rank
 
 
+class _Box:
+    """The ReadItem being grown while leaf runs merge into it (made a ReadItem once complete: a MoE partition has
+    thousands of runs, and a frozen ReadItem per merge step cost more than the rest of the planning of them)."""
+
+    __slots__ = ("entry", "per_element", "src_offset", "rows", "cols", "row_stride", "dst_offset", "transposed")
+
+    def __init__(self, entry, per_element, src_offset, rows, cols, row_stride, dst_offset):
+        self.entry, self.per_element, self.src_offset, self.dst_offset = entry, per_element, src_offset, dst_offset
+        self.rows, self.cols, self.row_stride, self.transposed = rows, cols, row_stride, False
+
+    def item(self) -> ReadItem:
+        e = self.entry
+        return ReadItem(e.file, e.key, e.dtype, self.src_offset, self.rows, self.cols, self.row_stride, self.dst_offset,
+                        transposed=self.transposed, stored_bytes_per_element=self.per_element)
+
+
 def runs_to_read_items(runs: list[Run], checkpoint: Checkpoint, dst_offset: int = 0) -> list[ReadItem]:
-    """Merge leaf runs into as few boxes as possible, in destination order."""
+    """Merge leaf runs into as few boxes as possible, in destination order: adjacent contiguous runs of a tensor into
+    one row, consecutive strided columns of equal height into one transposed box."""
     items: list[ReadItem] = []
+    box: _Box | None = None
+    key, entry, per_element = None, None, 0.0
     pos = dst_offset
-    for run in runs:
-        entry = checkpoint.entry(run.sym.key)
-        per_element = entry.stored_bytes_per_element() if run.sym.key in checkpoint.computed else 0.0
-        if run.stride == 1:
-            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, 1, run.length, run.length, pos,
-                            stored_bytes_per_element=per_element)
+    for sym, start, length, stride in runs:
+        if sym.key != key:
+            key, entry = sym.key, checkpoint.entry(sym.key)
+            per_element = entry.stored_bytes_per_element() if key in checkpoint.computed else 0.0
+        if stride == 1:
+            rows, cols, row_stride = 1, length, length
         else:  # strided: `length` rows of one element, or a column of a transposed box
-            item = ReadItem(entry.file, entry.key, entry.dtype, run.start, run.length, 1, run.stride, pos,
-                            stored_bytes_per_element=per_element)
-        pos += run.length
-        if items:
-            prev = items[-1]
-            same = prev.key == item.key
-            if same and not prev.transposed and prev.rows == 1 and item.rows == 1 and (
-                prev.src_offset + prev.cols == item.src_offset
-            ):
-                items[-1] = ReadItem(prev.file, prev.key, prev.src_dtype, prev.src_offset, 1, prev.cols + item.cols,
-                                     prev.cols + item.cols, prev.dst_offset,
-                                     stored_bytes_per_element=prev.stored_bytes_per_element)
+            rows, cols, row_stride = length, 1, stride
+        dst, pos = pos, pos + length
+        if box is not None and box.entry.key == key and box.src_offset + box.cols == start:
+            if not box.transposed and box.rows == 1 and rows == 1:  # one longer row
+                box.cols = box.row_stride = box.cols + cols
                 continue
-            # consecutive strided columns of equal height -> one transposed box
-            if same and item.cols == 1 and item.rows > 1 and prev.rows == item.rows and prev.row_stride == item.row_stride:
-                if prev.src_offset + prev.cols == item.src_offset and (prev.transposed or prev.cols == 1):
-                    items[-1] = ReadItem(prev.file, prev.key, prev.src_dtype, prev.src_offset, prev.rows, prev.cols + 1,
-                                         prev.row_stride, prev.dst_offset, transposed=True,
-                                         stored_bytes_per_element=prev.stored_bytes_per_element)
-                    continue
-        items.append(item)
+            if (cols == 1 and rows > 1 and box.rows == rows and box.row_stride == row_stride
+                    and (box.transposed or box.cols == 1)):  # the next column of a transposed box
+                box.cols, box.transposed = box.cols + 1, True
+                continue
+        if box is not None:
+            items.append(box.item())
+        box = _Box(entry, per_element, start, rows, cols, row_stride, dst)
+    if box is not None:
+        items.append(box.item())
     return items
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -36,8 +36,7 @@ class Sym:
         return math.prod(self.shape)
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):  # a tuple, not a dataclass: a large MoE plan makes tens of thousands of them
     sym: Sym
     start: int
     length: int
@@ -100,15 +99,18 @@ class Concat(Mapper):
     pieces: list[Piece]
     _cum: list[int] = field(init=False)
 
+    _post: int = field(init=False)
+
     def __post_init__(self):
         self._cum = [0]
         for p in self.pieces:
             self._cum.append(self._cum[-1] + p.count)
         if self._cum[-1] != self.out_shape[self.dim]:
             raise AssertionError(f"pieces cover {self._cum[-1]} of {self.out_shape[self.dim]} along dim {self.dim}")
+        self._post = math.prod(self.out_shape[self.dim + 1 :])
 
     def backward(self, start, length):
-        post = math.prod(self.out_shape[self.dim + 1 :])
+        post = self._post
         dim_size = self.out_shape[self.dim]
         runs, pos, end = [], start, start + length
         while pos < end:
