@@ -165,7 +165,7 @@ HEAD_SWEEP = {
         "udop", "unlimited_ocr", "video_llama_3", "video_llava", "vipllava", "vision-encoder-decoder"),
     "AutoModelForImageToImage": ("swin2sr",),
     "AutoModelForKeypointDetection": ("superpoint",),
-    "AutoModelForKeypointMatching": ("superglue",),
+    "AutoModelForKeypointMatching": ("efficientloftr", "superglue"),
     "AutoModelForMaskGeneration": ("edgetam_video", "sam2", "sam2_video"),
     "AutoModelForMaskedLM": (
         "albert", "bart", "bert", "big_bird", "camembert", "convbert", "data2vec-text", "deberta", "deberta-v2",
@@ -181,9 +181,10 @@ HEAD_SWEEP = {
     "AutoModelForSemanticSegmentation": ("beit", "sapiens2", "tipsv2_dpt", "upernet"),
     "AutoModelForSeq2SeqLM": (
         "audioflamingo3", "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "encoder-decoder", "fsmt",
-        "glmasr", "led", "longt5", "m2m_100", "marian", "mbart", "moss_transcribe_diarize", "mt5", "musicflamingo",
-        "mvp", "nllb-moe", "pegasus", "pegasus_x", "plbart", "prophetnet", "qwen2_audio", "qwen3_asr", "seamless_m4t",
-        "seamless_m4t_v2", "switch_transformers", "t5", "t5gemma", "t5gemma2", "umt5", "voxtral", "voxtral_realtime"),
+        "glmasr", "granite_speech_plus", "led", "longt5", "m2m_100", "marian", "mbart", "moss_transcribe_diarize",
+        "mt5", "musicflamingo", "mvp", "nemo_speechlm", "nllb-moe", "pegasus", "pegasus_x", "plbart", "prophetnet",
+        "qwen2_audio", "qwen3_asr", "seamless_m4t", "seamless_m4t_v2", "switch_transformers", "t5", "t5gemma",
+        "t5gemma2", "umt5", "vibevoice_asr", "voxtral", "voxtral_realtime"),
     "AutoModelForSequenceClassification": (
         "albert", "arcee", "axk1", "bart", "bert", "big_bird", "bigbird_pegasus", "biogpt", "bloom", "camembert",
         "canine", "convbert", "data2vec-text", "deberta", "deberta-v2", "deepseek_v2", "deepseek_v3", "distilbert",
@@ -199,11 +200,12 @@ HEAD_SWEEP = {
         "t5", "t5gemma", "t5gemma2", "tapas", "ultrabert", "ultravbert", "umt5", "xlm-roberta", "xlm-roberta-xl",
         "xlnet", "xmod", "yoso"),
     "AutoModelForSpeechSeq2Seq": (
-        "canary", "cohere_asr", "dia", "fun_asr_nano", "granite_speech", "moonshine", "moonshine_streaming",
-        "pop2piano", "speech-encoder-decoder", "speech_to_text", "whisper"),
+        "canary", "cohere_asr", "dia", "fun_asr_nano", "granite_speech", "granite_speech_plus", "moonshine",
+        "moonshine_streaming", "pop2piano", "speech-encoder-decoder", "speech_to_text", "vibevoice", "vibevoice_asr",
+        "whisper"),
     "AutoModelForTextToWaveform": (
-        "bark", "csm", "fastspeech2_conformer_with_hifigan", "musicgen", "musicgen_melody", "qwen2_5_omni",
-        "qwen3_omni_moe", "vits"),
+        "bark", "csm", "fastspeech2_conformer_with_hifigan", "gradium_phonon_tts", "musicgen", "musicgen_melody",
+        "pocket_tts", "qwen2_5_omni", "qwen3_omni_moe", "vibevoice", "vits"),
     "AutoModelForTokenClassification": (
         "distilbert", "esm", "esmc", "flaubert", "luke", "squeezebert", "t5gemma", "xlnet"),
     "AutoModelForUniversalSegmentation": ("eomt", "eomt_dinov3", "mask2former", "maskformer", "oneformer", "videomt"),
@@ -268,6 +270,10 @@ DEPTH_ANYTHING_SIZES = dict(backbone_config={"model_type": "dinov2", "hidden_siz
                                              "reshape_hidden_states": False},
                             reassemble_hidden_size=32, neck_hidden_sizes=[8, 16, 24, 32], fusion_hidden_size=16,
                             head_hidden_size=8)
+GRANITE_SPEECH_SIZES = dict(audio_token_index=3, projector_config=dict(encoder_hidden_size=32),
+                            encoder_config=dict(input_dim=16, hidden_dim=32, dim_head=16, output_dim=8, context_size=16,
+                                                max_pos_emb=32))
+VIBEVOICE_ENCODER = dict(num_filters=8, hidden_size=16, downsampling_ratios=[2, 2], depths=[1, 1, 1], ffn_expansion=2)
 SMALL_DPT_NECK = dict(neck_hidden_sizes=[8, 16, 16, 32], fusion_hidden_size=16)  # DPT-style depth heads
 DEPTH_PRO_TOWER = dict(NEW_STAGES, out_indices=[2], image_size=32, patch_size=8)  # one feature from 2 DINOv2 layers
 ENCODEC_SMALL = dict(num_filters=8, upsampling_ratios=[2, 2], codebook_size=16, codebook_dim=8, num_lstm_layers=1)
@@ -462,9 +468,31 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                  posterior_encoder_num_wavenet_layers=2),
     "dia": dict(decoder_config=dict(cross_num_attention_heads=2, cross_head_dim=16, cross_num_key_value_heads=1,
                                     cross_hidden_size=32, num_channels=3), delay_pattern=[0, 1, 2]),
-    "granite_speech": dict(audio_token_index=3, projector_config=dict(encoder_hidden_size=32),
-                           encoder_config=dict(input_dim=16, hidden_dim=32, dim_head=16, output_dim=8, context_size=16,
-                                               max_pos_emb=32)),
+    "granite_speech": GRANITE_SPEECH_SIZES,
+    "granite_speech_plus": GRANITE_SPEECH_SIZES,
+    # a Mamba + MoE language model (Nemotron-H) over ASR, diarization and word-timestamp encoders; the encoders'
+    # attention keeps as many KV heads as query heads (transformers' save fuses q/k/v and splits them back in thirds)
+    "nemo_speechlm": dict(audio_config=dict(asr_config=dict(num_key_value_heads=2),
+                                            diarization_config=dict(head_config=dict(audio_hidden_size=32),
+                                                                    audio_config=dict(num_key_value_heads=2))),
+                          word_timestamp_config=dict(num_key_value_heads=2),
+                          text_config=dict(layers_block_type=["mamba", "moe"], ssm_state_size=8, mamba_num_heads=4,
+                                           mamba_head_dim=16, n_groups=1, chunk_size=16,
+                                           moe_shared_expert_intermediate_size=24)),
+    "vibevoice_asr": dict(acoustic_tokenizer_encoder_config=VIBEVOICE_ENCODER,
+                          semantic_tokenizer_encoder_config=VIBEVOICE_ENCODER, audio_token_id=3, audio_bos_token_id=4,
+                          audio_eos_token_id=5),
+    "vibevoice": dict(audio_config=VIBEVOICE_ENCODER, semantic_model_config=VIBEVOICE_ENCODER, audio_token_id=3,
+                      audio_bos_token_id=4, audio_eos_token_id=5),
+    # text-to-speech whose flow head reads the backbone's hidden states
+    "gradium_phonon_tts": dict(flow_head_config=dict(condition_dim=32, frequency_embedding_size=16),
+                               audio_prompt_dim=16, duration_delta_embedding_dim=16, head_dim=16,
+                               num_key_value_heads=2),  # its RoPE permutation of q/k needs whole heads
+    "pocket_tts": dict(flow_head_config=dict(condition_dim=32, frequency_embedding_size=16)),
+    "efficientloftr": dict(stage_num_blocks=[1, 1, 1, 1], out_features=[16, 16, 32, 32], stage_stride=[2, 1, 2, 2],
+                           stage_in_channels=[1, 16, 16, 32], stage_block_stride=[[2], [1], [2], [2]],
+                           stage_block_out_channels=[[16], [16], [32], [32]],
+                           stage_block_in_channels=[[1], [16], [16], [32]], fine_fusion_dims=[32, 16, 16]),
     "moonshine_streaming": dict(num_key_value_heads=1, encoder_config=dict(sliding_windows=[[16, 4], [16, 0]])),
     # more vision-language models and speech LLMs: their MoE layers kept MoE, per-layer lists for 2 layers
     # a sparse-attention layer (its indexer) beside a full one; every MLP stays MoE (4 experts, 2 per token)
