@@ -98,8 +98,7 @@ class Concat(Mapper):
     out_shape: tuple[int, ...]
     pieces: list[Piece]
     _cum: list[int] = field(init=False)
-
-    _post: int = field(init=False)
+    _post: int = field(init=False)  # elements after one index of `dim`
 
     def __post_init__(self):
         self._cum = [0]
