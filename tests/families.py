@@ -175,8 +175,8 @@ HEAD_SWEEP = {
         "roberta-prelayernorm", "roc_bert", "roformer", "squeezebert", "tapas", "ultrabert", "ultravbert",
         "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
     "AutoModelForObjectDetection": (
-        "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "lw_detr", "rf_detr",
-        "rt_detr", "rt_detr_v2", "table-transformer", "yolos"),
+        "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "lw_detr", "pp_doclayout_v2",
+        "pp_doclayout_v3", "pp_doclayout_v4", "rf_detr", "rt_detr", "rt_detr_v2", "table-transformer", "yolos"),
     "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert", "xlnet"),
     "AutoModelForSemanticSegmentation": ("beit", "sapiens2", "tipsv2_dpt", "upernet"),
     "AutoModelForSeq2SeqLM": (
@@ -258,6 +258,12 @@ D_FINE_SIZES = dict(RT_DETR_SIZES, head_dim=16, lqe_hidden_dim=16,
                                      "stage_light_block": [False, False, True, True],
                                      "stage_kernel_size": [3, 3, 5, 5], "stage_numb_of_layers": [2, 2, 2, 2],
                                      "out_features": ["stage2", "stage3", "stage4"]})
+# RT-DETR's encoder and decoder over all four HGNetV2 stages, with a mask branch and a reading-order head
+PP_DOCLAYOUT_SIZES = dict({k: v for k, v in RT_DETR_SIZES.items() if k != "backbone_config"},
+                          backbone_config=dict(D_FINE_SIZES["backbone_config"],
+                                               out_features=["stage1", "stage2", "stage3", "stage4"]),
+                          encoder_in_channels=[16, 32, 32], mask_feature_channels=[16, 16], x4_feat_dim=16,
+                          global_pointer_head_size=16)
 SAM_SIZES = dict(output_channels=16, window_size=2, global_attn_indexes=[1], mlp_dim=48)  # SAM-style image towers
 GROUNDING_DINO_SIZES = dict(use_timm_backbone=False, num_queries=8, d_model=32, encoder_ffn_dim=48,
                             decoder_ffn_dim=48, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -355,6 +361,9 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "rt_detr": RT_DETR_SIZES,
     "rt_detr_v2": RT_DETR_SIZES,
     "d_fine": D_FINE_SIZES,
+    "pp_doclayout_v2": PP_DOCLAYOUT_SIZES,
+    "pp_doclayout_v3": PP_DOCLAYOUT_SIZES,
+    "pp_doclayout_v4": PP_DOCLAYOUT_SIZES,
     "deimv2": D_FINE_SIZES,
     # vision-language models whose sub-configs must agree with each other
     # Gemma 4's default config has no towers: its vision and audio towers are added, small
