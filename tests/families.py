@@ -152,17 +152,17 @@ HEAD_SWEEP = {
     "AutoModelForImageSegmentation": ("detr",),
     "AutoModelForImageTextToText": (
         "aria", "aya_vision", "blip", "blip-2", "chameleon", "cohere2_vision", "cohere_compass", "cosmos3_edge",
-        "cosmos3_omni", "deepseek_ocr2", "deepseek_vl", "deepseek_vl_hybrid", "diffusion_gemma", "ernie4_5_vl_moe",
-        "exaone4_5", "florence2", "fuyu", "gemma3", "gemma4", "gemma4_unified", "git", "glm46v", "glm4v", "glm4v_moe",
-        "glm5_next", "glm_ocr", "glmga", "got_ocr2", "granite4_vision", "granite_docling", "hunyuan_vl",
-        "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3", "inkling2", "inkling_mm_model", "instructblip",
-        "instructblipvideo", "internvl", "janus", "kimi_k25", "kosmos-2", "kosmos-2.5", "lfm2_vl", "lfm3_vl",
-        "lighton_ocr", "llava", "llava_next", "llava_next_video", "llava_onevision", "minicpm_ocr", "minicpmv4_6",
-        "minicpmv4_7", "minimax_m3_vl", "mistral3", "mistral4", "mistral_large4", "mllama", "molmo2", "muse_glimmer",
-        "muse_spark", "nemotron_h_omni", "ovis2", "paddleocr_vl", "paligemma", "pi0", "pix2struct", "pp_chart2table",
-        "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_5_moe",
-        "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm", "step3p7",
-        "udop", "unlimited_ocr", "video_llama_3", "video_llava", "vipllava", "vision-encoder-decoder"),
+        "cosmos3_omni", "deepseek_ocr2", "deepseek_vl", "deepseek_vl_hybrid", "diffusion_gemma", "emu3",
+        "ernie4_5_vl_moe", "exaone4_5", "florence2", "fuyu", "gemma3", "gemma4", "gemma4_unified", "git", "glm46v",
+        "glm4v", "glm4v_moe", "glm5_next", "glm_ocr", "glmga", "got_ocr2", "granite4_vision", "granite_docling",
+        "hunyuan_vl", "hyperclovax_vision_v2", "idefics", "idefics2", "idefics3", "inkling2", "inkling_mm_model",
+        "instructblip", "instructblipvideo", "internvl", "janus", "kimi_k25", "kosmos-2", "kosmos-2.5", "lfm2_vl",
+        "lfm3_vl", "lighton_ocr", "llava", "llava_next", "llava_next_video", "llava_onevision", "minicpm_ocr",
+        "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl", "mistral3", "mistral4", "mistral_large4", "mllama", "molmo2",
+        "muse_glimmer", "muse_spark", "nemotron_h_omni", "ovis2", "paddleocr_vl", "paligemma", "pi0", "pix2struct",
+        "pp_chart2table", "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
+        "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm",
+        "step3p7", "udop", "unlimited_ocr", "video_llama_3", "video_llava", "vipllava", "vision-encoder-decoder"),
     "AutoModelForImageToImage": ("swin2sr",),
     "AutoModelForKeypointDetection": ("superpoint",),
     "AutoModelForKeypointMatching": ("efficientloftr", "superglue"),
@@ -176,7 +176,8 @@ HEAD_SWEEP = {
         "xlm-roberta", "xlm-roberta-xl", "xmod", "yoso"),
     "AutoModelForObjectDetection": (
         "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "lw_detr", "pp_doclayout_v2",
-        "pp_doclayout_v3", "pp_doclayout_v4", "rf_detr", "rt_detr", "rt_detr_v2", "table-transformer", "yolos"),
+        "pp_doclayout_v3", "pp_doclayout_v4", "pp_ocrv5_mobile_det", "pp_ocrv5_server_det", "pp_ocrv6_medium_det",
+        "rf_detr", "rt_detr", "rt_detr_v2", "table-transformer", "yolos"),
     "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert", "xlnet"),
     "AutoModelForSemanticSegmentation": ("beit", "sapiens2", "tipsv2_dpt", "upernet"),
     "AutoModelForSeq2SeqLM": (
@@ -264,6 +265,18 @@ PP_DOCLAYOUT_SIZES = dict({k: v for k, v in RT_DETR_SIZES.items() if k != "backb
                                                out_features=["stage1", "stage2", "stage3", "stage4"]),
                           encoder_in_channels=[16, 32, 32], mask_feature_channels=[16, 16], x4_feat_dim=16,
                           global_pointer_head_size=16)
+PP_OCR_DET_SIZES = dict(
+    backbone_config=PP_DOCLAYOUT_SIZES["backbone_config"], neck_out_channels=16, kernel_list=[3, 2, 2],
+    scale_factor_list=[2, 2, 2], intraclass_block_number=1,
+    intraclass_block_config={"reduce_channel": [1, 1, 0], "return_channel": [1, 1, 0],
+                             "vertical_long_to_small_conv_longratio": [[7, 1], 1, [3, 0]],
+                             "vertical_long_to_small_conv_midratio": [[5, 1], 1, [2, 0]],
+                             "vertical_long_to_small_conv_shortratio": [[3, 1], 1, [1, 0]],
+                             "horizontal_small_to_long_conv_longratio": [[1, 7], 1, [0, 3]],
+                             "horizontal_small_to_long_conv_midratio": [[1, 5], 1, [0, 2]],
+                             "horizontal_small_to_long_conv_shortratio": [[1, 3], 1, [0, 1]],
+                             "symmetric_conv_long_longratio": [7, 1, 3], "symmetric_conv_long_midratio": [5, 1, 2],
+                             "symmetric_conv_long_shortratio": [3, 1, 1]})
 SAM_SIZES = dict(output_channels=16, window_size=2, global_attn_indexes=[1], mlp_dim=48)  # SAM-style image towers
 GROUNDING_DINO_SIZES = dict(use_timm_backbone=False, num_queries=8, d_model=32, encoder_ffn_dim=48,
                             decoder_ffn_dim=48, encoder_attention_heads=2, decoder_attention_heads=2,
@@ -364,6 +377,10 @@ HEAD_SIZES_FOR: dict[str, dict] = {
     "pp_doclayout_v2": PP_DOCLAYOUT_SIZES,
     "pp_doclayout_v3": PP_DOCLAYOUT_SIZES,
     "pp_doclayout_v4": PP_DOCLAYOUT_SIZES,
+    # text detectors: an HGNetV2 backbone, a neck of intra-class convolution blocks (their default configs leave the
+    # blocks' kernels unset), a differentiable-binarization head
+    "pp_ocrv5_server_det": PP_OCR_DET_SIZES,
+    "pp_ocrv6_medium_det": PP_OCR_DET_SIZES,
     "deimv2": D_FINE_SIZES,
     # vision-language models whose sub-configs must agree with each other
     # Gemma 4's default config has no towers: its vision and audio towers are added, small
@@ -550,6 +567,11 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                "adapter_config": {"text_hidden_size": 32, "vision_feature_layer": [-1, -2]},
                "text_config": {"additional_vocab_size": 16, "rope_scaling_layers": [0, 1]}},
     # a VQ-GAN of 8 codes, mapped to BPE tokens 8..15 by the vocabulary map the modeling code requires
+    "emu3": {"vq_config": {"codebook_size": 8, "base_channels": 32, "channel_multiplier": [1, 2], "num_res_blocks": 1,
+                           "attn_resolutions": [], "hidden_size": 32, "embed_dim": 4},
+             "image_token_id": 4,
+             "vocabulary_map": {"<|extra_200|>": 3, "<image>": 4,
+                                **{f"<|visual token {i:06d}|>": 8 + i for i in range(8)}}},
     "chameleon": {"vq_config": {"num_embeddings": 8, "latent_channels": 8, "base_channels": 32,
                                 "channel_multiplier": [1, 2], "num_res_blocks": 1, "resolution": 32},
                   "image_token_id": 3,
