@@ -194,8 +194,10 @@ NEW_HEADS = (
     ("AutoModelForSequenceClassification", "AutoModelForMaskedLM",
      tuple(t for t in HEAD_SWEEP["AutoModelForMaskedLM"] if t in HEAD_SWEEP["AutoModelForSequenceClassification"])),
     ("AutoModelForCTC", "AutoModel", HEAD_SWEEP["AutoModelForCTC"]),
+    # pp_lcnet and hgnet_v2 have no bare model; Perceiver's has no image preprocessor (its cross-attention then takes
+    # d_model, not the image channels: a plain load refuses the sizes as well)
     ("AutoModelForImageClassification", "AutoModel", tuple(t for t in HEAD_SWEEP["AutoModelForImageClassification"]
-                                                           if t not in ("pp_lcnet", "hgnet_v2"))),  # no bare model
+                                                           if t not in ("pp_lcnet", "hgnet_v2", "perceiver"))),
 )
 
 
