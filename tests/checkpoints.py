@@ -38,10 +38,15 @@ def make_checkpoint(path: str, family: str, dtype: torch.dtype = torch.float32, 
     torch.manual_seed(seed)
     config = config or make_config(family)
     model = (model_class or AutoModelForCausalLM).from_config(config, dtype=dtype)
-    # save_pretrained drops tied tensors; random-init norms are ones, so perturb everything to catch mix-ups
+    # save_pretrained drops tied tensors; random-init norms are ones, so perturb everything to catch mix-ups.
+    # Some models' init leaves a parameter as torch.empty memory (Qwen3-Omni-MoE's talker experts, transformers
+    # 5.23): whatever the allocator held, NaN at times, and NaN != NaN in a bit-exact comparison. No init gives
+    # values that large, so such entries are replaced by the noise alone.
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.5)
+            noise = torch.randn_like(p) * 0.5
+            garbage = ~torch.isfinite(p) | (p.abs() > 1e4) if p.is_floating_point() else None
+            p.copy_(torch.where(garbage, noise, p + noise) if garbage is not None and garbage.any() else p + noise)
     model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")
     return path
 
