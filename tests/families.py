@@ -417,7 +417,7 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                                      num_block_repeats=[1, 1], expand_ratios=[1, 2], hidden_dim=64,
                                      width_coefficient=1.0, depth_coefficient=1.0)),
     "grounding-dino": GROUNDING_DINO_SIZES,
-    # a ViT backbone with windowed blocks and a projector; the decoder's fused attention input is split on load
+    # a ViT backbone with windowed blocks and a projector (its checkpoint stores q/k/v apart: renames only)
     "lw_detr": dict(backbone_config={"model_type": "lw_detr_vit", "hidden_size": 32, "num_hidden_layers": 2,
                                      "num_attention_heads": 2, "image_size": 64, "pretrain_image_size": 32,
                                      "patch_size": 16, "window_block_indices": [0], "num_windows": 4,
@@ -426,6 +426,8 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                     projector_out_channels=32, d_model=32, decoder_ffn_dim=48, decoder_layers=2,
                     decoder_self_attention_heads=2, decoder_cross_attention_heads=2, decoder_n_points=2,
                     num_queries=8, group_detr=2, c2f_num_blocks=1),
+    # a windowed DINOv2 backbone; its checkpoint stores the decoder's self-attention as one fused in_proj_weight
+    # and in_proj_bias, which transformers' conversion splits into q/k/v on load
     "rf_detr": dict(backbone_config={"model_type": "rf_detr_dinov2", "hidden_size": 32, "num_hidden_layers": 2,
                                      "num_attention_heads": 2, "image_size": 32, "patch_size": 8,
                                      "window_block_indexes": [0], "out_indices": [1, 2]},
