@@ -30,6 +30,7 @@ DEFAULT_BUDGET_BYTES = 1 << 30
 @dataclass
 class InitStats:
     gathers: list[int] = field(default_factory=list)  # bytes gathered by each GatheredParameters
+    left_by_init: list[str] = field(default_factory=list)  # missing params no init wrote (zeros, not a plain load's garbage)
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -274,32 +275,111 @@ def _explained_in_place_writes(model, module, owner):
             "init.") from e
 
 
+class UnwrittenWatch:
+    """Missing params the model's init never writes. A plain load leaves `torch.empty` memory in them (transformers 5.23's
+    Qwen3-Omni-MoE never initialises its talker's experts), which no sharded load can reproduce and no rank should train
+    from. Each missing float param is filled with NaN when first gathered, before any init sees it; what still holds NaN
+    once the steps that gather it are done was never written. Those elements become zeros, named in a warning."""
+
+    FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    PIECE = 1 << 24  # elements per NaN check: the bool temporary stays small whatever the param's size
+
+    def __init__(self):
+        self.marked: set[int] = set()  # params filled with NaN, ever
+        self.pending: dict[int, object] = {}  # id -> param: still NaN (somewhere) after its last step
+
+    def mark(self, params) -> None:
+        """Fill the params not seen before with NaN (inside the gather: the full tensor, on every rank)."""
+        for p in params:
+            if id(p) not in self.marked and p.dtype in self.FLOAT_DTYPES:
+                self.marked.add(id(p))
+                p.data.fill_(float("nan"))
+
+    def check(self, params) -> None:
+        """After a step: which of its marked params still hold NaN (a later step may write them yet)."""
+        for p in params:
+            if id(p) in self.marked:
+                if self._has_nan(p.data):
+                    self.pending[id(p)] = p
+                else:
+                    self.pending.pop(id(p), None)
+
+    @classmethod
+    def _has_nan(cls, data) -> bool:
+        if data.numel() == 0 or not bool(data.sum().isnan()):  # one fast pass; NaN anywhere makes the sum NaN
+            return False
+        flat = data.reshape(-1)  # confirm (+inf and -inf written by an init also sum to NaN)
+        return any(bool(flat[i:i + cls.PIECE].isnan().any()) for i in range(0, flat.numel(), cls.PIECE))
+
+    @classmethod
+    def _zero_nan(cls, data) -> None:
+        flat = data.reshape(-1)
+        for i in range(0, flat.numel(), cls.PIECE):
+            piece = flat[i:i + cls.PIECE]
+            piece.masked_fill_(piece.isnan(), 0)
+
+    def zero_unwritten(self, model, budget_bytes: int, stats: InitStats) -> None:
+        """Zero the NaN left in pending params (gathered a budget at a time) and say which they are, on every rank."""
+        if not self.pending:
+            return
+        left = list(self.pending.values())
+        chunks, chunk, size = [], [], 0
+        for p in left:
+            if chunk and size + _nbytes(p) > budget_bytes:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(p)
+            size += _nbytes(p)
+        chunks.append(chunk)
+        for chunk in chunks:
+            stats.gathers.append(sum(_nbytes(p) for p in chunk))
+            with ds_private.gathered_to_modify(chunk):
+                for p in chunk:
+                    self._zero_nan(p.data)
+        ids = {id(p) for p in left}
+        names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids]
+        stats.left_by_init = names
+        log.warning_once(
+            "left_by_init:" + ",".join(names), "%d missing parameter(s) are not initialised by %s's own init, so a plain from_pretrained leaves "
+            "uninitialised memory in them; hf_zero3_loader sets them to zeros instead (the same on every rank): %s%s. Load "
+            "a checkpoint that has them, or initialise them yourself before training.", len(names),
+            type(model).__name__, ", ".join(names[:8]), f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def _run_init_step(model, modules, alone, stand_ins, stats: InitStats, is_custom_code: bool) -> None:
+    if alone is not None:  # the module's other missing params are skipped by the guarded init
+        (module, owner), (alone, group) = modules[0], alone
+        others = [p for p in group if p is not alone]
+        for p in others:
+            p._is_hf_initialized = True
+        try:
+            with _explained_in_place_writes(model, module, owner):
+                owner._init_weights(module)
+        finally:
+            for p in others:
+                del p._is_hf_initialized
+        if stand_ins.written():
+            _replay_writes_into_loaded(module, owner, stand_ins, stats)
+        return
+    for module, owner in modules:
+        with _explained_in_place_writes(model, module, owner):
+            owner._initialize_weights(module, is_custom_code)
+        if stand_ins.written():
+            _replay_writes_into_loaded(module, owner, stand_ins, stats)
+
+
 def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None) -> InitStats:
     stats = stats or InitStats()
     is_custom_code = model.is_custom_code()
+    unwritten = UnwrittenWatch()
     with torch.no_grad(), hf_private.guarded_init_functions():
         for modules, params, alone in _plan_chunks(model, budget_bytes):
             gather = ds_private.gathered_to_modify(params) if params else nullcontext()
             if params:
                 stats.gathers.append(sum(_nbytes(p) for p in params))
             with gather, logical_shapes(modules) as stand_ins:
-                if alone is not None:  # the module's other missing params are skipped by the guarded init
-                    (module, owner), (alone, group) = modules[0], alone
-                    others = [p for p in group if p is not alone]
-                    for p in others:
-                        p._is_hf_initialized = True
-                    try:
-                        with _explained_in_place_writes(model, module, owner):
-                            owner._init_weights(module)
-                    finally:
-                        for p in others:
-                            del p._is_hf_initialized
-                    if stand_ins.written():
-                        _replay_writes_into_loaded(module, owner, stand_ins, stats)
-                    continue
-                for module, owner in modules:
-                    with _explained_in_place_writes(model, module, owner):
-                        owner._initialize_weights(module, is_custom_code)
-                    if stand_ins.written():
-                        _replay_writes_into_loaded(module, owner, stand_ins, stats)
+                unwritten.mark(params)
+                _run_init_step(model, modules, alone, stand_ins, stats, is_custom_code)
+                unwritten.check(params)
+        unwritten.zero_unwritten(model, budget_bytes, stats)
     return stats

@@ -47,6 +47,7 @@ class LoadReport:
                "bytes_read": self.read.bytes_read, "read_calls": self.read.reads,
                "bytes_populated": self.read.bytes_populated, "seconds": round(self.seconds, 3),
                "missing_init_peak_gathered_bytes": self.init.peak_gathered_bytes,
+               "missing_left_by_init": self.init.left_by_init,
                "phases": {k: round(v, 3) for k, v in self.phases.items()}}
         if self.plan is not None:
             out.update(self.plan.summary())

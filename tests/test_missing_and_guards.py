@@ -75,7 +75,18 @@ def paths(workdir):
                                                 d("metaclip_no_scale"), _without_logit_scale),
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
         "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
+        # transformers 5.23's Qwen3-Omni-MoE init never writes its talker's experts: missing, a plain load leaves garbage
+        "omni_no_talker_experts": rewrite_checkpoint(
+            head_checkpoint(workdir, "AutoModelForTextToWaveform", "qwen3_omni_moe"), d("omni_no_talker_experts"),
+            _without_talker_experts),
     }
+
+
+TALKER_EXPERTS = re.compile(r"^talker\.model\.layers\.\d+\.mlp\.experts\.")
+
+
+def _without_talker_experts(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if not TALKER_EXPERTS.match(k)}
 
 
 def _without_logit_scale(tensors: dict) -> dict:
@@ -123,6 +134,9 @@ CASES = {
     "init_writes_loaded_param": ("mamba_rescale", "AutoModelForCausalLM", "float32", {}, 0),
     "prefix_not_mapped": ("shieldgemma2", "AutoModelForImageTextToText", "float32", {}, 0),
     "scalar_param_missing": ("metaclip_no_scale", "AutoModel", "float32", {"missing_init_budget_bytes": BUDGET}, 0),
+    "init_leaves_missing_unwritten": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32", {}, 0),
+    "init_leaves_missing_unwritten_chunked": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32",
+                                              {"missing_init_budget_bytes": BUDGET}, 0),
 }
 PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys", "keep_in_fp32"}
 
@@ -180,6 +194,29 @@ def test_missing_experts_initialised_in_bounded_chunks(results, paths):
         assert 0 < peak <= max(BUDGET, largest_missing), f"rank {r['rank']} gathered {peak} at once"
         # the whole missing set is bigger than what was gathered at once
         assert peak < sum(state[k].numel() * state[k].element_size() for k in missing)
+
+
+@pytest.mark.parametrize("name", ["init_leaves_missing_unwritten", "init_leaves_missing_unwritten_chunked"])
+def test_missing_params_the_init_never_writes_are_zeros_and_named(results, paths, name):
+    """A plain load leaves `torch.empty` memory in a missing param its model's init never writes (garbage, NaN at
+    times); no sharded load can reproduce that, so ours holds zeros and every rank's report names the params."""
+    dump = results[name]
+    got = dump["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    state, info, _ = plain(name, paths["omni_no_talker_experts"])
+    left = sorted(k for k in state if TALKER_EXPERTS.match(k))
+    assert left, "the checkpoint should lack the talker's experts"
+    for r in dump["ranks"]:
+        assert sorted(r["report"]["missing_left_by_init"]) == left, f"rank {r['rank']}"
+    assert set(got["state"]) == set(state)
+    for key, expected in state.items():
+        actual = got["state"][key]
+        assert actual.dtype == expected.dtype, key
+        if key in left:
+            assert not actual.any(), f"{key}: not zeros"
+        else:
+            assert torch.equal(actual, expected), f"{key}: values differ"
+    assert got["loading_info"] == info
 
 
 def test_tied_but_different_lm_head_is_untied(results, paths):
