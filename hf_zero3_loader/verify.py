@@ -3,7 +3,8 @@ plain single-process `from_pretrained` of the same checkpoint (what to run befor
 
 The command launches `torchrun --nproc_per_node W -m hf_zero3_loader.verify ...`; rank 0 also loads the model the
 plain way (so it needs the whole model's memory once) and compares each parameter and buffer, gathered one at a
-time, for dtype, shape and bits. Exit status 0 when all are equal.
+time, for dtype, shape and bits. Exit status 0 when all are equal. Missing parameters the model's own init never writes
+(uninitialised memory in the plain load; see `missing_init.UnwrittenWatch`) are checked to be zeros and listed apart.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def _worker(args) -> None:
         with hf_private.hidden_hf_zero3():  # the plain load, though our ZeRO-3 model keeps transformers' config alive
             reference = model_class.from_pretrained(args.checkpoint, dtype=dtype, **load_kwargs)
         plain = {n: t.detach() for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
+    # missing params the model's init never writes: uninitialised memory in the plain load, zeros in ours (by design)
+    left_by_init = set(model.hf_zero3_load_report.init.left_by_init)
     problems, compared = [], 0
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
@@ -94,7 +97,10 @@ def _worker(args) -> None:
                 continue
             want = _expected(name, plain, ep["ep_rank"] if ep else 0, ep["ep_size"] if ep else 1)
             got = p.detach().cpu()
-            if want is None:
+            if name in left_by_init:
+                if got.any():
+                    problems.append(f"{name}: left by the model's init, yet not zeros")
+            elif want is None:
                 problems.append(f"{name}: not in the plain load")
             elif got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
                 problems.append(f"{name}: {got.dtype}{tuple(got.shape)} differs from the plain load's "
@@ -113,7 +119,7 @@ def _worker(args) -> None:
         report = {"ok": not any(r["problems"] for r in everyone), "world_size": dist.get_world_size(),
                   "ep_size": args.ep_size or 1, "checkpoint": args.checkpoint, "dtype": args.dtype,
                   "compared": sum(r["compared"] for r in everyone),
-                  "problems": [p for r in everyone for p in r["problems"]],
+                  "problems": [p for r in everyone for p in r["problems"]], "left_by_init": sorted(left_by_init),
                   "load": model.hf_zero3_load_report.summary()}
         with open(args.out, "w") as f:
             json.dump(report, f)

@@ -96,6 +96,20 @@ def test_verify_compares_a_real_load_with_the_plain_one(workdir):
         assert report["ok"] and report["compared"] >= 27 and not report["problems"], report
 
 
+def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_them(workdir):
+    """A plain load leaves uninitialised memory in them: nothing to compare, so they are checked to be zeros instead
+    of reported as mismatches."""
+    from tests.families import TALKER_EXPERTS, omni_without_talker_experts
+
+    result = _cli("verify", omni_without_talker_experts(workdir), "--world-size", "2", "--dtype", "float32",
+                  "--model-class", "AutoModelForTextToWaveform")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.startswith("OK: ") and "4 missing parameters that the model's own init never writes are " \
+        "zeros here" in result.stdout, result.stdout
+    listed = result.stdout.splitlines()[-1].split(": ", 1)[1].split(", ")
+    assert len(listed) == 4 and all(TALKER_EXPERTS.match(name) for name in listed), listed
+
+
 def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir):
     """--subfolder, --variant, --no-safetensors, --trust-remote-code: the files and the code `from_pretrained(...)`
     with the same keywords would use (a hub repo with its own modeling code, a model in a subfolder)."""

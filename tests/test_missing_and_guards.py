@@ -17,7 +17,7 @@ import torch
 from tests.checkpoints import (ernie_moe_config, make_checkpoint, qwen3_vl_moe_config, remote_code_checkpoint,
                                 rewrite_checkpoint)
 from tests.conftest import run_torchrun
-from tests.families import head_checkpoint
+from tests.families import TALKER_EXPERTS, head_checkpoint, omni_without_talker_experts
 
 BUDGET = 2048  # bytes: far below one expert tensor, so chunking is exercised
 
@@ -75,18 +75,8 @@ def paths(workdir):
                                                 d("metaclip_no_scale"), _without_logit_scale),
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
         "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
-        # transformers 5.23's Qwen3-Omni-MoE init never writes its talker's experts: missing, a plain load leaves garbage
-        "omni_no_talker_experts": rewrite_checkpoint(
-            head_checkpoint(workdir, "AutoModelForTextToWaveform", "qwen3_omni_moe"), d("omni_no_talker_experts"),
-            _without_talker_experts),
+        "omni_no_talker_experts": omni_without_talker_experts(workdir),
     }
-
-
-TALKER_EXPERTS = re.compile(r"^talker\.model\.layers\.\d+\.mlp\.experts\.")
-
-
-def _without_talker_experts(tensors: dict) -> dict:
-    return {k: v for k, v in tensors.items() if not TALKER_EXPERTS.match(k)}
 
 
 def _without_logit_scale(tensors: dict) -> dict:
