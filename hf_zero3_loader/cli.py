@@ -181,7 +181,7 @@ def _verify(args) -> int:
         for problem in report["problems"][:20]:
             print("  " + problem)
         if report.get("left_by_init"):
-            print(f"{len(report['left_by_init'])} missing parameters that the model's own init never writes are zeros "
+            print(f"{len(report['left_by_init'])} missing tensors that the model's own init never writes are zeros "
                   "here (a plain load leaves uninitialised memory in them): "
                   + ", ".join(report["left_by_init"][:8]))
     return 0 if report.get("ok") else 1

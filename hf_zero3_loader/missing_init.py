@@ -30,7 +30,7 @@ DEFAULT_BUDGET_BYTES = 1 << 30
 @dataclass
 class InitStats:
     gathers: list[int] = field(default_factory=list)  # bytes gathered by each GatheredParameters
-    left_by_init: list[str] = field(default_factory=list)  # missing params no init wrote (zeros, not a plain load's garbage)
+    left_by_init: list[str] = field(default_factory=list)  # missing tensors no init wrote: zeros, not the plain load's garbage
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -45,14 +45,21 @@ def _nbytes(param) -> int:
     return param.ds_numel * param.dtype.itemsize
 
 
-def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Buffers not loaded (non-persistent ones such as RoPE `inv_freq`) get real storage; init computes them. Zeros,
-    not `empty`: a buffer the model's init leaves alone (Apertus' xIELU `beta` and `eps` when missing) must hold the
-    same value on every rank, where a plain load leaves uninitialised memory."""
-    for module in model.modules():
+def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> list[tuple[str, torch.nn.Module, str]]:
+    """Buffers not loaded (non-persistent ones such as RoPE `inv_freq`) get real storage; init computes them. Float
+    ones hold NaN until then (see `UnwrittenWatch`), others zeros: a buffer the model's init leaves alone (Apertus'
+    xIELU `beta` and `eps` when missing) must hold the same value on every rank, where a plain load leaves
+    uninitialised memory. Returns the float ones: (full name, module, name)."""
+    marked = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.zeros_like(buf, device=device)
+                if buf.dtype in UnwrittenWatch.FLOAT_DTYPES:
+                    module._buffers[name] = torch.full_like(buf, float("nan"), device=device)
+                    marked.append((f"{prefix}.{name}" if prefix else name, module, name))
+                else:
+                    module._buffers[name] = torch.zeros_like(buf, device=device)
+    return marked
 
 
 @dataclass
@@ -276,10 +283,11 @@ def _explained_in_place_writes(model, module, owner):
 
 
 class UnwrittenWatch:
-    """Missing params the model's init never writes. A plain load leaves `torch.empty` memory in them (transformers 5.23's
-    Qwen3-Omni-MoE never initialises its talker's experts), which no sharded load can reproduce and no rank should train
-    from. Each missing float param is filled with NaN when first gathered, before any init sees it; what still holds NaN
-    once the steps that gather it are done was never written. Those elements become zeros, named in a warning."""
+    """Missing params and buffers the model's init never writes. A plain load leaves `torch.empty` memory in them
+    (transformers 5.23's Qwen3-Omni-MoE never initialises its talker's experts, Apertus its xIELU scalars), which no
+    sharded load can reproduce and no rank should train from. Each missing float param is filled with NaN when first
+    gathered, before any init sees it (buffers when materialised); what still holds NaN once the steps that gather it
+    are done was never written. Those elements become zeros, named in a warning."""
 
     FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     PIECE = 1 << 24  # elements per NaN check: the bool temporary stays small whatever the param's size
@@ -318,32 +326,35 @@ class UnwrittenWatch:
             piece = flat[i:i + cls.PIECE]
             piece.masked_fill_(piece.isnan(), 0)
 
-    def zero_unwritten(self, model, budget_bytes: int, stats: InitStats) -> None:
-        """Zero the NaN left in pending params (gathered a budget at a time) and say which they are, on every rank."""
-        if not self.pending:
-            return
-        left = list(self.pending.values())
+    def zero_unwritten(self, model, budget_bytes: int, stats: InitStats, marked_buffers=()) -> None:
+        """Zero the NaN left in pending params (gathered a budget at a time) and in buffers no init computed, and say
+        which they are, on every rank."""
         chunks, chunk, size = [], [], 0
-        for p in left:
+        for p in self.pending.values():
             if chunk and size + _nbytes(p) > budget_bytes:
                 chunks.append(chunk)
                 chunk, size = [], 0
             chunk.append(p)
             size += _nbytes(p)
-        chunks.append(chunk)
-        for chunk in chunks:
+        for chunk in [*chunks, chunk] if chunk else chunks:
             stats.gathers.append(sum(_nbytes(p) for p in chunk))
             with ds_private.gathered_to_modify(chunk):
                 for p in chunk:
                     self._zero_nan(p.data)
-        ids = {id(p) for p in left}
-        names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids]
+        names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in self.pending]
+        for name, module, key in marked_buffers:  # whole on every rank: no gather
+            buf = module._buffers.get(key)
+            if buf is not None and buf.dtype in self.FLOAT_DTYPES and self._has_nan(buf):
+                self._zero_nan(buf)
+                names.append(name)
+        if not names:
+            return
         stats.left_by_init = names
         log.warning_once(
-            "left_by_init:" + ",".join(names), "%d missing parameter(s) are not initialised by %s's own init, so a plain from_pretrained leaves "
-            "uninitialised memory in them; hf_zero3_loader sets them to zeros instead (the same on every rank): %s%s. Load "
-            "a checkpoint that has them, or initialise them yourself before training.", len(names),
-            type(model).__name__, ", ".join(names[:8]), f" and {len(names) - 8} more" if len(names) > 8 else "")
+            "left_by_init:" + ",".join(names), "%d missing tensor(s) are not initialised by %s's own init, so a plain "
+            "from_pretrained leaves uninitialised memory in them; hf_zero3_loader sets them to zeros instead (the same "
+            "on every rank): %s%s. Load a checkpoint that has them, or initialise them yourself before training.",
+            len(names), type(model).__name__, ", ".join(names[:8]), f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
 def _run_init_step(model, modules, alone, stand_ins, stats: InitStats, is_custom_code: bool) -> None:
@@ -368,7 +379,10 @@ def _run_init_step(model, modules, alone, stand_ins, stats: InitStats, is_custom
             _replay_writes_into_loaded(module, owner, stand_ins, stats)
 
 
-def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None) -> InitStats:
+def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: InitStats | None = None,
+                       marked_buffers=()) -> InitStats:
+    """Initialise the missing params in bounded steps; `marked_buffers` are the NaN-filled buffers of
+    `materialize_meta_buffers`, checked (and zeroed where no init computed them) with the params."""
     stats = stats or InitStats()
     is_custom_code = model.is_custom_code()
     unwritten = UnwrittenWatch()
@@ -381,5 +395,5 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
                 unwritten.mark(params)
                 _run_init_step(model, modules, alone, stand_ins, stats, is_custom_code)
                 unwritten.check(params)
-        unwritten.zero_unwritten(model, budget_bytes, stats)
+        unwritten.zero_unwritten(model, budget_bytes, stats, marked_buffers)
     return stats

@@ -109,7 +109,11 @@ def _worker(args) -> None:
     if plain is not None:
         for name, b in model.named_buffers():
             want = _expected(name, plain, 0, 1)
-            if want is not None:
+            if name in left_by_init:
+                compared += 1
+                if b.any():
+                    problems.append(f"{name} (buffer): left by the model's init, yet not zeros")
+            elif want is not None:
                 compared += 1
                 if b.dtype != want.dtype or not torch.equal(b.cpu(), want):
                     problems.append(f"{name} (buffer) differs from the plain load")

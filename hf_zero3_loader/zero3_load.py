@@ -287,9 +287,9 @@ class Zero3Load:
         groups = [self.expert_parallel[1].edp_group] if self.expert_parallel is not None else []
         try:
             model.mark_tied_weights_as_initialized(loading_info)
-            materialize_meta_buffers(model, local_device())
+            buffers = materialize_meta_buffers(model, local_device())
             with self.agreement.collective_section("missing-key init", groups):
-                initialize_missing(model, self.budget_bytes, self.report.init)
+                initialize_missing(model, self.budget_bytes, self.report.init, buffers)
             with self.agreement.collective_section("tied-weights check", groups), \
                     hf_private.tied_equality(_zero3_tied_params_are_equal):
                 model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)

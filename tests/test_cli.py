@@ -104,7 +104,7 @@ def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_t
     result = _cli("verify", omni_without_talker_experts(workdir), "--world-size", "2", "--dtype", "float32",
                   "--model-class", "AutoModelForTextToWaveform")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.startswith("OK: ") and "4 missing parameters that the model's own init never writes are " \
+    assert result.stdout.startswith("OK: ") and "4 missing tensors that the model's own init never writes are " \
         "zeros here" in result.stdout, result.stdout
     listed = result.stdout.splitlines()[-1].split(": ", 1)[1].split(", ")
     assert len(listed) == 4 and all(TALKER_EXPERTS.match(name) for name in listed), listed
