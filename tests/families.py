@@ -216,6 +216,21 @@ HEAD_SWEEP = {
     "AutoModelForZeroShotObjectDetection": ("grounding-dino", "mm-grounding-dino", "omdet-turbo"),
 }
 HEAD_SWEEP_WORLD_SIZE = 3
+# model types the auto classes above know but no sweep covers, with the reason (transformers 5.23)
+HEAD_NOT_SWEPT: dict[str, str] = {
+    "cohere_compass_text": "its config refuses two small layers: KeyError 'full_attention'",
+    "dinat": "needs the natten library",
+    "dots3_note": "its text model's per-layer configs keep full-size attention ranks when shrunk",
+    "edgetam": "its vision backbone is a timm model (needs timm and PIL); EdgeTAM video is swept",
+    "evolla": "listed for AutoModelForImageTextToText, which refuses its config: a plain load fails too",
+    "fast_vlm": "its vision tower is a timm model (needs timm and PIL)",
+    "gemma3n": "its vision tower is a timm model (needs timm and PIL); its text model is in the family sweep",
+    "layoutlmv2": "needs the detectron2 library",
+    "perception_lm": "its vision tower is a timm model (needs timm and PIL)",
+    "sam3_video": "its save_pretrained writes a sam3_tracker_video config, which AutoModelForMaskGeneration refuses: a "
+                  "plain load of its own save fails",
+    "timm_wrapper": "needs timm and PIL",
+}
 TIED_HEADS = ("AutoModelForMaskedLM",)
 # sizes for sub-configs (vision towers, audio encoders, encoder-decoder stacks), on top of SMALL
 SMALL_TOWERS = dict(depth=2, embed_dim=32, num_heads=2, out_hidden_size=32, image_size=32, patch_size=8, num_layers=2,
