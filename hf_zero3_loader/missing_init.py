@@ -10,6 +10,7 @@ whose init draws random numbers outside transformers' init functions (Mamba's mi
 gathered together, since initialising them one at a time would draw those numbers once per param; and a module whose
 init fills a slice of a *loaded* param outside the guarded init functions (a padding row zeroed on every load, as
 Funnel's, Chinese-CLIP's, Youtu's and BLT's inits do): that param is gathered to replay the write the plain load keeps.
+A missing tensor that no init writes at all is found by `UnwrittenWatch`, zeroed and named.
 """
 
 from __future__ import annotations
