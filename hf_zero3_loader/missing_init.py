@@ -327,21 +327,11 @@ class UnwrittenWatch:
             piece = flat[i:i + cls.PIECE]
             piece.masked_fill_(piece.isnan(), 0)
 
-    def zero_unwritten(self, model, budget_bytes: int, stats: InitStats, marked_buffers=()) -> None:
-        """Zero the NaN left in pending params (gathered a budget at a time) and in buffers no init computed, and say
-        which they are, on every rank."""
-        chunks, chunk, size = [], [], 0
+    def zero_unwritten(self, model, stats: InitStats, marked_buffers=()) -> None:
+        """Zero the NaN left in pending params and in buffers no init computed, and say which they are, on every rank.
+        Each rank zeroes its own partition: the NaN elements are exactly the unwritten ones, so nothing is gathered."""
         for p in self.pending.values():
-            if chunk and size + _nbytes(p) > budget_bytes:
-                chunks.append(chunk)
-                chunk, size = [], 0
-            chunk.append(p)
-            size += _nbytes(p)
-        for chunk in [*chunks, chunk] if chunk else chunks:
-            stats.gathers.append(sum(_nbytes(p) for p in chunk))
-            with ds_private.gathered_to_modify(chunk):
-                for p in chunk:
-                    self._zero_nan(p.data)
+            self._zero_nan(ds_private.zero3_partition(p).tensor)
         names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in self.pending]
         for name, module, key in marked_buffers:  # whole on every rank: no gather
             buf = module._buffers.get(key)
@@ -396,5 +386,5 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
                 unwritten.mark(params)
                 _run_init_step(model, modules, alone, stand_ins, stats, is_custom_code)
                 unwritten.check(params)
-        unwritten.zero_unwritten(model, budget_bytes, stats, marked_buffers)
+        unwritten.zero_unwritten(model, stats, marked_buffers)
     return stats
