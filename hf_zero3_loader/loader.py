@@ -116,7 +116,7 @@ def from_pretrained(
         strict_dtype: refuse a `dtype` that differs from the DeepSpeed config's (by default the engine's dtype wins,
             with a warning, as in transformers' own ZeRO-3 path).
         staging_bytes: partitions on an accelerator are filled through one host buffer of this many bytes (default
-            256 MiB, pinned on CUDA): reads into it overlap the copies to the device, and host memory grows by this
+            64 MiB, pinned on CUDA): reads into it overlap the copies to the device, and host memory grows by this
             much rather than by the rank's share of the checkpoint. Host partitions are read in place.
     """
     start = time.perf_counter()

@@ -1,7 +1,7 @@
 """The staging path (partitions on an accelerator, filled through one bounded host buffer), forced on CPU ranks:
 bit-exact with the plain load, and the largest host allocation while filling partitions is at most the budget
 however large the partitions are. Plus the pure pieces: cutting ReadItems to fit a slot, file-ordered reads, reads
-adjacent on disk coalesced into one preadv.
+adjacent on disk coalesced into one preadv, per-expert tensors copied to their fused destination in few copies.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hf_zero3_loader.planner.plan import ReadItem
-from hf_zero3_loader.checkpoint import TensorEntry
+from hf_zero3_loader.checkpoint import TensorEntry, open_checkpoint
 from hf_zero3_loader.reader import MAX_IOVECS, FileReader, _copy_from_tensor, coalesce
-from hf_zero3_loader.staging import split_item
+from hf_zero3_loader.staging import run_staged_reads, split_item
 from tests.checkpoints import ep_config, fp8_checkpoint, make_checkpoint
 from tests.conftest import run_torchrun
 
@@ -93,6 +93,7 @@ def test_forced_staging_is_bit_exact_and_bounded_by_the_budget(staging_checkpoin
         assert 0 < got["staging_largest_allocation_bytes"] <= bound, (case["name"], got["staging_largest_allocation_bytes"])
         assert staging["buffer_bytes"] <= BUDGET and staging["largest_piece_bytes"] <= staging["slot_bytes"]
         assert staging["bytes_copied"] > BUDGET and staging["pieces"] > report["read_items"], case["name"]
+        assert 0 < staging["copies"] <= staging["pieces"], case["name"]
         if "computed" in case["name"]:  # each piece re-reads the few scales its rows share with the previous piece
             assert report["bytes_to_read"] <= report["bytes_read"] <= 1.1 * report["bytes_to_read"]
         else:
@@ -137,3 +138,42 @@ def test_only_plain_spans_adjacent_in_one_file_are_coalesced():
     assert [(offset, len(group)) for offset, group in reads] == [(0, 3), (44, 1), (None, 1), (60, 1), (68, 1)]
     capped = coalesce(pieces[:3], lambda p: p[2].dtype, max_bytes=32)  # 16 + 16 bytes fit, the third does not
     assert [len(group) for _, group in capped] == [2, 1]
+
+
+
+def test_per_expert_tensors_reach_their_fused_destination_in_one_copy_per_slot_run(tmp_path):
+    """A checkpoint stores each expert's gate, up and down matrices apart (file order down_0, gate_0, up_0, down_1,
+    ...); they land in two fused parameters (gate_up [E, 2I, H], down [E, H, I]). Laid out in destination order in
+    the slot, a slot's pieces reach each destination in one copy however the file interleaves them: the number of
+    device copies is deterministic and small, not one per piece."""
+    from safetensors.torch import save_file
+
+    experts, inter, hidden = 8, 16, 64  # a piece (one matrix) is 2 KiB of bf16
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"experts.{e}.{proj}_proj.weight": torch.randn(shape, generator=gen).to(torch.bfloat16)
+               for e in range(experts) for proj, shape in (("down", (hidden, inter)), ("gate", (inter, hidden)),
+                                                            ("up", (inter, hidden)))}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    checkpoint = open_checkpoint([path])
+    matrix = inter * hidden
+    gate_up = torch.empty(experts * 2 * matrix, dtype=torch.bfloat16)
+    down = torch.empty(experts * matrix, dtype=torch.bfloat16)
+    jobs = [(ReadItem(path, f"experts.{e}.{proj}_proj.weight", torch.bfloat16, 0, 1, matrix, matrix, offset),
+             checkpoint.entry(f"experts.{e}.{proj}_proj.weight"), dst)
+            for e in range(experts) for proj, dst, offset in (("gate", gate_up, 2 * e * matrix),
+                                                              ("up", gate_up, (2 * e + 1) * matrix),
+                                                              ("down", down, e * matrix))]
+    want_gate_up = torch.cat([torch.cat([tensors[f"experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
+                              for e in range(experts)]).view(-1)
+    want_down = torch.cat([tensors[f"experts.{e}.down_proj.weight"] for e in range(experts)]).view(-1)
+    # (budget, threads, copies): everything in one slot: one copy per destination (file order would need 16);
+    # one 16 KiB slot holds 7 pieces with their worst-case alignment padding: 4 batches, at most 2 copies each;
+    # a 4 KiB slot holds one piece: one copy per piece
+    for budget, threads, copies in ((1 << 20, 1, 2), (16 << 10, 1, 8), (4096, 2, 3 * experts)):
+        gate_up.fill_(float("nan"))
+        down.fill_(float("nan"))
+        stats = run_staged_reads(jobs, FileReader(), staging_bytes=budget, threads=threads)
+        assert torch.equal(gate_up, want_gate_up) and torch.equal(down, want_down), budget
+        assert stats.pieces == 3 * experts and stats.bytes_copied == 3 * experts * 2 * matrix, stats.summary()
+        assert stats.copies <= copies if budget == 16 << 10 else stats.copies == copies, stats.summary()
