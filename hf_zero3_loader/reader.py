@@ -335,6 +335,18 @@ def coalesce(pieces: list[tuple], dtype_of, max_bytes: int = STAGING_BYTES) -> l
     return reads
 
 
+def merge_runs(ranges) -> list[list]:
+    """(key, byte start, nbytes) ranges, in read order, as [key, start, stop] runs: a range that starts where the
+    previous one of the same memory (key) stops extends it, so one preadv fills it through one buffer."""
+    runs: list[list] = []
+    for key, start, nbytes in ranges:
+        if runs and runs[-1][0] == key and runs[-1][2] == start:
+            runs[-1][2] = start + nbytes
+        else:
+            runs.append([key, start, start + nbytes])
+    return runs
+
+
 def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: FileReader, threads: int = 4,
               progress=None) -> None:
     """Execute (item, checkpoint entry, destination) jobs, in parallel threads (preadv releases the GIL), in file
@@ -348,16 +360,12 @@ def run_reads(jobs: list[tuple[ReadItem, TensorEntry, torch.Tensor]], reader: Fi
 
     def span_buffers(group):
         """(bytes, address) per run of destination memory: pieces adjacent in one destination share a buffer."""
-        runs = []
-        for item, _, dst in group:
-            key = id(dst)
-            start = item.dst_offset * bytes_of[key][2]
-            stop = start + item.numel * bytes_of[key][2]
-            if runs and runs[-1][0] == key and runs[-1][2] == start:
-                runs[-1][2] = stop
-            else:
-                runs.append([key, start, stop])
-        return [(bytes_of[key][0][start:stop], bytes_of[key][1] + start) for key, start, stop in runs]
+        def byte_range(item, dst):
+            size = bytes_of[id(dst)][2]
+            return id(dst), item.dst_offset * size, item.numel * size
+
+        ranges = (byte_range(item, dst) for item, _, dst in group)
+        return [(bytes_of[key][0][start:stop], bytes_of[key][1] + start) for key, start, stop in merge_runs(ranges)]
 
     def one(offset, group):
         if offset is not None:  # plain spans, one or more adjacent on disk

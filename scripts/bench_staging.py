@@ -45,18 +45,11 @@ def main() -> None:
     ckpt = os.path.join(args.workdir, "ckpt" if args.size == "bench" else f"ckpt_{args.size}")
     info = make_checkpoint(ckpt, args.size)
     print(f"checkpoint {ckpt}: {info}", flush=True)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-
-    import deepspeed
-
+    # run with plain `python`: the first load starts a world-size-1 process group itself (NCCL on a GPU)
     from _bench_worker import DS_CONFIG, load_ours, plan_spans, read_spans
     from hf_zero3_loader.reader import default_io_threads
 
     on_gpu = torch.cuda.is_available()
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     print(f"device: {torch.cuda.get_device_name() if on_gpu else 'cpu (staging unused)'}; "
           f"{os.cpu_count()} cores; default read_threads {default_io_threads()}", flush=True)
 
