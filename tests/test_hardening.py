@@ -120,6 +120,7 @@ class _SlowReader:
 
         self.stats, self.seconds, self.fail_at, self.calls = ReadStats(), seconds, fail_at, 0
         self.lock = threading.Lock()
+        self.prefault = True
 
     def read_buffers(self, path, offset, buffers):
         with self.lock:
@@ -130,45 +131,69 @@ class _SlowReader:
             raise OSError("injected failure")
 
 
+PIECE = 1 << 16  # elements: four 256 KiB pieces per 1 MiB staging slot
+
+
 def _jobs(pieces: int):
     from hf_zero3_loader.checkpoint import TensorEntry
     from hf_zero3_loader.planner.plan import ReadItem
 
-    dst = torch.empty(pieces * 4)
-    entry = TensorEntry("t", "f", torch.float32, (pieces * 8,), 0)
+    dst = torch.empty(pieces * PIECE)
+    entry = TensorEntry("t", "f", torch.float32, (pieces * 2 * PIECE,), 0)
     # gaps between the pieces on disk, so each stays a read of its own (adjacent ones would be coalesced into one)
-    return [(ReadItem("f", "t", torch.float32, i * 8, 1, 4, 4, i * 4), entry, dst) for i in range(pieces)]
+    return [(ReadItem("f", "t", torch.float32, i * 2 * PIECE, 1, PIECE, PIECE, i * PIECE), entry, dst)
+            for i in range(pieces)]
 
 
-def test_a_failed_read_cancels_the_queued_reads():
+def _run(path: str, jobs, reader):
+    """The in-place reads, or the staged ones (the accelerator path; 1 MiB: one slot that 4 threads take in turn)."""
     from hf_zero3_loader.reader import run_reads
+    from hf_zero3_loader.staging import run_staged_reads
 
-    reader = _SlowReader(0.05, fail_at=3)
+    if path == "staged":
+        run_staged_reads(jobs, reader, staging_bytes=1 << 20, threads=4)
+    else:
+        run_reads(jobs, reader, threads=4)
+
+
+def _reader_threads_end(before: set, seconds: float = 3.0) -> None:
+    """Every thread the reads started ends: one left waiting (for a staging slot never given back, say) would hang
+    the process at exit, when Python joins its pool threads."""
+    deadline = time.monotonic() + seconds
+    while (left := [t for t in threading.enumerate() if t not in before]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"threads still running: {left}"
+
+
+@pytest.mark.parametrize("path", ["in place", "staged"])
+def test_a_failed_read_cancels_the_queued_reads(path):
+    """A failed read stops the load at once, on either path: queued reads never start, and on the staged path the
+    failing batch gives its slot back, so no thread waits for one forever."""
+    reader, before = _SlowReader(0.05, fail_at=3), set(threading.enumerate())
     started = time.monotonic()
     with pytest.raises(OSError, match="injected failure"):
-        run_reads(_jobs(200), reader, threads=4)  # 200 pieces x 50 ms / 4 threads = 2.5 s if nothing stopped
+        _run(path, _jobs(200), reader)  # 200 pieces x 50 ms / 4 threads = 2.5 s if nothing stopped
     assert time.monotonic() - started < 1.0
-    time.sleep(0.2)
+    _reader_threads_end(before)
     assert reader.calls < 20, f"{reader.calls} reads ran after the failure"
 
 
-def test_an_interrupt_cancels_the_queued_reads():
+@pytest.mark.parametrize("path", ["in place", "staged"])
+def test_an_interrupt_cancels_the_queued_reads(path):
     import signal
 
-    from hf_zero3_loader.reader import run_reads
-
-    reader = _SlowReader(0.05)
+    reader, before = _SlowReader(0.05), set(threading.enumerate())
     # a shell starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C handler: install it
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # a real Ctrl-C, to any thread
         started = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
-            run_reads(_jobs(200), reader, threads=4)
+            _run(path, _jobs(200), reader)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - started < 1.5
-    time.sleep(0.2)
+    _reader_threads_end(before)
     assert reader.calls < 60, f"{reader.calls} reads ran after the interrupt"
 
 
