@@ -102,3 +102,20 @@ def test_gpu_offloaded_partitions_are_read_in_place(workdir):
     for name, want in ref.items():
         actual = got["state"][name]
         assert actual.dtype == want.dtype and torch.equal(actual, want), name
+
+
+def test_gpu_every_family_in_the_sweep_equals_the_plain_load(workdir):
+    """The staged path as users get it (pinned slots, copies on a side stream, slots reused after their copy's event)
+    over every family in the sweep, at world size 1 with a 64 KiB budget and 2 reader threads: bit- and dtype-equal
+    to the plain load."""
+    from tests.families import SWEEP, sweep_checkpoint
+    from tests.test_families import load_failure
+
+    cases = [{"name": t, "path": sweep_checkpoint(workdir, t), "dtype": "float32",
+              "kwargs": {"staging_bytes": 64 << 10, "read_threads": 2},
+              "out": os.path.join(workdir, f"gpu_sweep_{t}.pt")} for t in SWEEP]
+    dumps = run_torchrun(1, cases, workdir, timeout=1500, env=NCCL)
+    failures = [f for case, dump in zip(cases, dumps) if (f := load_failure(case, dump))]
+    failures += [f"{case['name']}: not staged" for case, dump in zip(cases, dumps)
+                 if "error" not in dump["rank0"] and not dump["rank0"]["report"].get("staging", {}).get("pinned")]
+    assert not failures, "\n".join(failures)
