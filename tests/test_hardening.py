@@ -156,7 +156,7 @@ def _run(path: str, jobs, reader):
         run_reads(jobs, reader, threads=4)
 
 
-def _reader_threads_end(before: set, seconds: float = 3.0) -> None:
+def _reader_threads_end(before: set, seconds: float = 10.0) -> None:
     """Every thread the reads started ends: one left waiting (for a staging slot never given back, say) would hang
     the process at exit, when Python joins its pool threads."""
     deadline = time.monotonic() + seconds
