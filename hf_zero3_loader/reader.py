@@ -49,13 +49,24 @@ class ReadStats:
                 self.bytes_populated += nbytes
 
 
+def local_world_size() -> int:
+    """Ranks of this world on this machine, as the launcher says (torchrun and accelerate set LOCAL_WORLD_SIZE); all
+    of them when it does not say."""
+    import torch.distributed as dist
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+
+
 def default_io_threads() -> int:
     """Threads issuing reads or writes when the caller names none: this rank's share of the machine's cores, at most
     4 (more threads than cores only adds contention between the ranks on one machine)."""
-    import torch.distributed as dist
+    return max(1, min(4, (os.cpu_count() or 1) // max(local_world_size(), 1)))
 
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    return max(1, min(4, (os.cpu_count() or 1) // max(local_ranks, 1)))
+
+def node_reads_whole_files(world_size: int) -> bool:
+    """Whether the ranks on this machine read every byte of the checkpoint between them: the whole world is here.
+    With ranks on other machines, this one reads only its ranks' slices of each tensor."""
+    return local_world_size() >= world_size
 
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -119,7 +130,7 @@ class FileReader:
     """
 
     def __init__(self, stats: ReadStats | None = None, identities: dict | None = None, max_open: int = 32,
-                 prefault: bool = True):
+                 prefault: bool = True, readahead: bool = True):
         self.stats = stats or ReadStats()
         self.identities = identities or {}
         self.max_open = max_open
@@ -129,6 +140,10 @@ class FileReader:
         # populate fresh destinations (partitions); a reader filling reused buffers (staging slots, stream chunks) is
         # made with prefault=False: populating resident pages again is a page-table walk per refill, for nothing
         self.prefault = prefault and os.environ.get(PREFAULT_ENV, "1") != "0"
+        # readahead=False where this machine reads only part of each file: the kernel's read-ahead would fetch the
+        # neighbouring slices, which other machines read (3.3x the bytes asked for, one rank of 8 here; README). The
+        # reads are coalesced and sized already, so the kernel then fetches exactly them
+        self.readahead = readahead
 
     def _open(self, path: str) -> int:
         try:
@@ -140,6 +155,8 @@ class FileReader:
             os.close(fd)
             raise CheckpointError(f"{path} changed on disk after its header was read (replaced or rewritten during "
                                   "the load); refusing to read it at the old header's offsets")
+        if not self.readahead and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
     def _acquire(self, path: str) -> int:

@@ -27,7 +27,7 @@ from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
                            resolve_checkpoint, suspicious_missing_keys)
-from .reader import FileReader, run_reads
+from .reader import FileReader, node_reads_whole_files, run_reads
 from .report import LoadReport
 from .staging import DEFAULT_STAGING_BYTES, run_staged_reads
 from .streaming import Streamer, checkpoint_from_bundle
@@ -156,7 +156,8 @@ class Zero3Load:
         streamer = Streamer(self.stream.chunk_bytes, device)
         with self.agreement.collective_section("stream checkpoint bytes", groups):
             if served:
-                reader = FileReader(self.report.read, checkpoint.identities, prefault=False)  # into reused chunks
+                reader = FileReader(self.report.read, checkpoint.identities, prefault=False,  # into reused chunks
+                                    readahead=node_reads_whole_files(self.report.world_size))
                 try:
                     streamer.serve(served, checkpoint, reader)
                 finally:
@@ -248,7 +249,8 @@ class Zero3Load:
         for tensor_plan, dst in destinations:
             jobs = staged if force_staging or dst.device.type != "cpu" else in_place
             jobs.extend((item, checkpoint.entry(item.key), dst) for item in tensor_plan.reads)
-        reader = FileReader(self.report.read, checkpoint.identities)
+        reader = FileReader(self.report.read, checkpoint.identities,
+                            readahead=node_reads_whole_files(self.report.world_size))
         try:
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
                       disable=self.report.rank != 0) as bar:
