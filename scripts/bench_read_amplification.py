@@ -1,0 +1,105 @@
+"""Benchmark: bytes fetched from the storage device per byte read, when a machine holds only some ranks of the world.
+
+    python scripts/bench_read_amplification.py [--checkpoint ./out/bench/ckpt] [--layouts 8:0,64:5,8:0-3,2:0-1]
+
+A machine of a multi-node load reads only its ranks' slices of every tensor (and, with expert parallelism, runs of
+whole expert matrices), skipping what other machines read. For each layout W:RANKS (the ranks this machine holds in a
+world of W), one process plans those ranks with the loader's planner (`plan_tensors`, no distributed job) and reads
+their spans cold through the loader's `FileReader`, in file order, twice: with the kernel's read-ahead (what the
+loader did before) and without it (`readahead=False`, what it does when ranks of the world are on other machines).
+It prints bytes read, bytes the device delivered (/proc/self/io read_bytes) and their ratio, and seconds. The
+checkpoint is evicted from the page cache (posix_fadvise DONTNEED) before each pass. Default checkpoint: the 939 MiB
+Qwen3-MoE `bench_load.py` builds (run it once first). Linux only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def device_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
+def evict(files: list[str]) -> None:
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def spans_of(folder: str, world_size: int, ranks: list[int]) -> tuple[list, list[str]]:
+    """(file, byte offset, nbytes) of every read the planner gives these ranks, in file order; and the shards."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from hf_zero3_loader.checkpoint import open_checkpoint
+    from hf_zero3_loader.planner.inspect import checkpoint_files, meta_skeleton
+    from hf_zero3_loader.planner.plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
+
+    model, dtype = meta_skeleton(folder)
+    files = checkpoint_files(folder)
+    checkpoint = open_checkpoint(files)
+    resolution = resolve_checkpoint(model, checkpoint, get_model_conversion_mapping(model), model._get_dtype_plan(dtype))
+    spans = []
+    for rank in ranks:
+        group = PartitionGroup(WORLD, world_size, rank)
+        plan = plan_tensors(model, resolution, checkpoint, lambda name: group, rank, world_size, None)
+        for t in plan.tensors.values():
+            for r in t.reads:
+                size = r.src_dtype.itemsize
+                start = checkpoint.entries[r.key].data_start + r.src_offset * size
+                if r.rows == 1 or r.row_stride == r.cols:
+                    spans.append((r.file, start, r.numel * size))
+                else:
+                    spans.extend((r.file, start + i * r.row_stride * size, r.cols * size) for i in range(r.rows))
+    return sorted(spans), files
+
+
+def one_pass(spans: list, files: list[str], readahead: bool) -> tuple[int, float]:
+    import torch
+
+    from hf_zero3_loader.reader import FileReader
+
+    evict(files)
+    out = torch.empty(max(n for _, _, n in spans), dtype=torch.uint8)
+    reader = FileReader(readahead=readahead)
+    before, start = device_read_bytes(), time.perf_counter()
+    try:
+        for path, offset, nbytes in spans:
+            reader.read_into(path, offset, out[:nbytes])
+    finally:
+        reader.close()
+    return device_read_bytes() - before, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", default=os.path.join(REPO, "out", "bench", "ckpt"))
+    ap.add_argument("--layouts", default="8:0,64:5,8:0-3,2:0-1",
+                    help="W:RANKS, comma-separated; RANKS one rank or a range a-b (the ranks this machine holds)")
+    args = ap.parse_args()
+    print("| this machine holds | MiB read | read-ahead: device MiB, ratio, s | no read-ahead: device MiB, ratio, s |")
+    print("|---|---|---|---|")
+    for layout in args.layouts.split(","):
+        world, _, ranks = layout.partition(":")
+        lo, _, hi = ranks.partition("-")
+        held = list(range(int(lo), int(hi or lo) + 1))
+        spans, files = spans_of(args.checkpoint, int(world), held)
+        wanted = sum(n for _, _, n in spans)
+        cells = []
+        for readahead in (True, False):
+            fetched, seconds = one_pass(spans, files, readahead)
+            cells.append(f"{fetched / 2**20:.1f}, {fetched / wanted:.2f}x, {seconds:.2f}")
+        name = f"rank {held[0]} of {world}" if len(held) == 1 else f"ranks {held[0]}-{held[-1]} of {world}"
+        print(f"| {name} | {wanted / 2**20:.1f} | {cells[0]} | {cells[1]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
