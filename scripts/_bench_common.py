@@ -99,3 +99,17 @@ def table(results: list[dict]) -> str:
         rows.append(f"| {r['variant']} | {r['rank']} | {r['seconds']:.3f} | {r['rss_growth'] / MiB:.1f} |{dev} {coll} | "
                     f"{read_mib(r):.1f} |")
     return "\n".join(rows)
+
+
+def spans_of(plan, entries: dict) -> list:
+    """A plan's reads as (file, absolute byte offset, nbytes) runs: one per read item, one per row of a strided box."""
+    spans = []
+    for t in plan.tensors.values():
+        for r in t.reads:
+            size = r.src_dtype.itemsize
+            start = entries[r.key].data_start + r.src_offset * size
+            if r.rows == 1 or r.row_stride == r.cols:
+                spans.append((r.file, start, r.numel * size))
+            else:
+                spans.extend((r.file, start + i * r.row_stride * size, r.cols * size) for i in range(r.rows))
+    return spans

@@ -233,21 +233,12 @@ def read_spans(spans: list, threads: int, populate: bool = False) -> torch.Tenso
 
 def plan_spans(model) -> list:
     """This rank's reads, from our plan, as (file, absolute byte offset, nbytes) runs."""
+    from _bench_common import spans_of
     from hf_zero3_loader.checkpoint import open_checkpoint
 
     plan = model.hf_zero3_load_report.plan
     files = sorted({r.file for t in plan.tensors.values() for r in t.reads})
-    entries = open_checkpoint(files).entries
-    spans = []
-    for t in plan.tensors.values():
-        for r in t.reads:
-            size = r.src_dtype.itemsize
-            start = entries[r.key].data_start + r.src_offset * size
-            if r.rows == 1 or r.row_stride == r.cols:
-                spans.append((r.file, start, r.numel * size))
-            else:
-                spans.extend((r.file, start + i * r.row_stride * size, r.cols * size) for i in range(r.rows))
-    return spans
+    return spans_of(plan, open_checkpoint(files).entries)
 
 
 # -- gathered state, for equality checks --------------------------------------------------------------------

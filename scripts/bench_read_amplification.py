@@ -19,8 +19,9 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(SCRIPTS)
+sys.path[:0] = [REPO, SCRIPTS]
 
 
 def device_read_bytes() -> int:
@@ -35,31 +36,13 @@ def evict(files: list[str]) -> None:
         os.close(fd)
 
 
-def spans_of(folder: str, world_size: int, ranks: list[int]) -> tuple[list, list[str]]:
+def machine_spans(folder: str, world_size: int, ranks: list[int]) -> tuple[list, list[str]]:
     """(file, byte offset, nbytes) of every read the planner gives these ranks, in file order; and the shards."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
+    from _bench_common import spans_of
+    from hf_zero3_loader.planner.inspect import plan_ranks
 
-    from hf_zero3_loader.checkpoint import open_checkpoint
-    from hf_zero3_loader.planner.inspect import checkpoint_files, meta_skeleton
-    from hf_zero3_loader.planner.plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
-
-    model, dtype = meta_skeleton(folder)
-    files = checkpoint_files(folder)
-    checkpoint = open_checkpoint(files)
-    resolution = resolve_checkpoint(model, checkpoint, get_model_conversion_mapping(model), model._get_dtype_plan(dtype))
-    spans = []
-    for rank in ranks:
-        group = PartitionGroup(WORLD, world_size, rank)
-        plan = plan_tensors(model, resolution, checkpoint, lambda name: group, rank, world_size, None)
-        for t in plan.tensors.values():
-            for r in t.reads:
-                size = r.src_dtype.itemsize
-                start = checkpoint.entries[r.key].data_start + r.src_offset * size
-                if r.rows == 1 or r.row_stride == r.cols:
-                    spans.append((r.file, start, r.numel * size))
-                else:
-                    spans.extend((r.file, start + i * r.row_stride * size, r.cols * size) for i in range(r.rows))
-    return sorted(spans), files
+    plans, _, checkpoint, _, _ = plan_ranks(folder, world_size, ranks, with_model=True)
+    return sorted(span for plan in plans for span in spans_of(plan, checkpoint.entries)), checkpoint.files
 
 
 def one_pass(spans: list, files: list[str], readahead: bool) -> tuple[int, float]:
@@ -91,7 +74,7 @@ def main() -> None:
         world, _, ranks = layout.partition(":")
         lo, _, hi = ranks.partition("-")
         held = list(range(int(lo), int(hi or lo) + 1))
-        spans, files = spans_of(args.checkpoint, int(world), held)
+        spans, files = machine_spans(args.checkpoint, int(world), held)
         wanted = sum(n for _, _, n in spans)
         cells = []
         for readahead in (True, False):

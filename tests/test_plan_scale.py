@@ -20,20 +20,14 @@ from tests.conftest import ROOT
 @pytest.fixture(scope="module")
 def deepseek_v3(workdir):
     """(meta skeleton, checkpoint headers, key resolution): what every rank computes once, whatever W."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
-    from hf_zero3_loader.checkpoint import open_checkpoint
-    from hf_zero3_loader.planner.inspect import checkpoint_files, meta_skeleton
-    from hf_zero3_loader.planner.plan import resolve_checkpoint
+    from hf_zero3_loader.planner.inspect import plan_ranks
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from _sparse_ckpt import full_size_config, write_sparse_checkpoint
 
     folder = os.path.join(workdir, "sparse_deepseek_v3")
     write_sparse_checkpoint(full_size_config("deepseek_v3"), folder)
-    model, dtype = meta_skeleton(folder)
-    checkpoint = open_checkpoint(checkpoint_files(folder))
-    resolution = resolve_checkpoint(model, checkpoint, get_model_conversion_mapping(model), model._get_dtype_plan(dtype))
+    _, model, checkpoint, resolution, _ = plan_ranks(folder, 8, ranks=[], with_model=True)  # no plan made yet
     return model, checkpoint, resolution
 
 
