@@ -17,7 +17,9 @@ import os
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +123,41 @@ def _as_bytes(t: torch.Tensor):
     return t.view(torch.uint8).numpy() if t.numel() else memoryview(b"")
 
 
+class OpenFiles:
+    """Descriptors shared by the threads of a reader or a writer: at most `max_open` stay open (an 800-shard
+    checkpoint under `ulimit -n 256` loads and saves), the least recently used closed first, never one in use."""
+
+    def __init__(self, open_file: Callable[[str], int], max_open: int = 32):
+        self.open_file, self.max_open = open_file, max_open
+        self._fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._users: dict[str, int] = {}  # path -> threads using its descriptor now
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def use(self, path: str) -> Iterator[int]:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = self.open_file(path)
+                for old in [p for p in self._fds if self._users.get(p, 0) == 0 and p != path]:
+                    if len(self._fds) <= self.max_open:
+                        break
+                    os.close(self._fds.pop(old))
+            self._fds.move_to_end(path)
+            self._users[path] = self._users.get(path, 0) + 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users[path] -= 1
+
+    def take_all(self) -> list[tuple[str, int]]:
+        """Every open (path, descriptor), for the caller to close once no thread uses them."""
+        with self._lock:
+            fds, self._fds = list(self._fds.items()), OrderedDict()
+        return fds
+
+
 class FileReader:
     """Positional reads from checkpoint files, safe to share between threads.
 
@@ -133,10 +170,7 @@ class FileReader:
                  prefault: bool = True, readahead: bool = True):
         self.stats = stats or ReadStats()
         self.identities = identities or {}
-        self.max_open = max_open
-        self._fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
-        self._users: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._files = OpenFiles(self._open, max_open)
         # populate fresh destinations (partitions); a reader filling reused buffers (staging slots, stream chunks) is
         # made with prefault=False: populating resident pages again is a page-table walk per refill, for nothing
         self.prefault = prefault and os.environ.get(PREFAULT_ENV, "1") != "0"
@@ -156,25 +190,11 @@ class FileReader:
             raise CheckpointError(f"{path} changed on disk after its header was read (replaced or rewritten during "
                                   "the load); refusing to read it at the old header's offsets")
         if not self.readahead and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except OSError:  # advice only: a filesystem that refuses it is read as before
+                pass
         return fd
-
-    def _acquire(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = self._open(path)
-                for old in [p for p in self._fds if self._users.get(p, 0) == 0 and p != path]:
-                    if len(self._fds) <= self.max_open:
-                        break
-                    os.close(self._fds.pop(old))
-            self._fds.move_to_end(path)
-            self._users[path] = self._users.get(path, 0) + 1
-            return fd
-
-    def _release(self, path: str) -> None:
-        with self._lock:
-            self._users[path] -= 1
 
     def read_into(self, path: str, offset: int, out: torch.Tensor) -> None:
         """Fill the CPU tensor `out` with the bytes at `offset` of `path`."""
@@ -192,8 +212,7 @@ class FileReader:
             self.stats.add_populated(sum(populate_range(address, len(buf)) for buf, address in buffers))
         bufs = [buf for buf, _ in buffers if len(buf)]
         done, total, first = 0, sum(len(b) for b in bufs), 0  # bytes read; index of the first buffer not yet full
-        fd = self._acquire(path)
-        try:
+        with self._files.use(path) as fd:
             while done < total:
                 n = os.preadv(fd, bufs[first:first + MAX_IOVECS], offset + done)
                 if n <= 0:
@@ -204,15 +223,11 @@ class FileReader:
                     first += 1
                 if n:
                     bufs[first] = bufs[first][n:]
-        finally:
-            self._release(path)
         self.stats.add(total)
 
     def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        for _, fd in self._files.take_all():
+            os.close(fd)
 
 
 def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: torch.Tensor,

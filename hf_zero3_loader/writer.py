@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import CheckpointError, LoaderError
 from .planner.plan import ReadItem
-from .reader import STAGING_BYTES, _as_bytes, run_in_threads
+from .reader import STAGING_BYTES, OpenFiles, _as_bytes, run_in_threads
 
 
 @dataclass
@@ -49,61 +48,41 @@ def create_file(path: str, header: bytes, size: int) -> None:
         os.close(fd)
 
 
+def _open_for_write(path: str) -> int:
+    try:
+        return os.open(path, os.O_WRONLY)  # never created or truncated here
+    except OSError as e:
+        raise CheckpointError(f"cannot open {path} for writing: {e.strerror}") from e
+
+
 class FileWriter:
     """Positional writes into files that already exist, safe to share between threads (at most `max_open`
     descriptors stay open, least recently used closed first)."""
 
     def __init__(self, stats: WriteStats | None = None, max_open: int = 32):
         self.stats = stats or WriteStats()
-        self.max_open = max_open
-        self._fds: OrderedDict[str, int] = OrderedDict()
-        self._users: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _acquire(self, path: str) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                try:
-                    fd = self._fds[path] = os.open(path, os.O_WRONLY)  # never created or truncated here
-                except OSError as e:
-                    raise CheckpointError(f"cannot open {path} for writing: {e.strerror}") from e
-                for old in [p for p in self._fds if self._users.get(p, 0) == 0 and p != path]:
-                    if len(self._fds) <= self.max_open:
-                        break
-                    os.close(self._fds.pop(old))
-            self._fds.move_to_end(path)
-            self._users[path] = self._users.get(path, 0) + 1
-            return fd
-
-    def _release(self, path: str) -> None:
-        with self._lock:
-            self._users[path] -= 1
+        self._files = OpenFiles(_open_for_write, max_open)
 
     def write_from(self, path: str, offset: int, src: torch.Tensor) -> None:
         """Write the bytes of the contiguous CPU tensor `src` at `offset` of `path`."""
         buf = _as_bytes(src)
         done, total = 0, src.numel() * src.element_size()
-        fd = self._acquire(path)
         try:
-            while done < total:
-                n = os.pwritev(fd, [buf[done:]], offset + done)
-                if n <= 0:
-                    raise CheckpointError(f"{path}: short write ({done} of {total} bytes at offset {offset})")
-                done += n
+            with self._files.use(path) as fd:
+                while done < total:
+                    n = os.pwritev(fd, [buf[done:]], offset + done)
+                    if n <= 0:
+                        raise CheckpointError(f"{path}: short write ({done} of {total} bytes at offset {offset})")
+                    done += n
         except OSError as e:
             raise CheckpointError(f"cannot write {path}: {e.strerror}") from e
-        finally:
-            self._release(path)
         self.stats.add(total)
 
     def close(self, sync: bool = False) -> None:
         """Close every descriptor; with `sync`, first make this process's writes durable (and, on a network
         filesystem, visible to the other clients)."""
-        with self._lock:
-            fds, self._fds = list(self._fds.items()), OrderedDict()
         error = None
-        for path, fd in fds:
+        for path, fd in self._files.take_all():
             try:
                 if sync:
                     os.fsync(fd)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_zero3_loader import reader as reader_module
-from hf_zero3_loader.reader import PREFAULT_ENV, FileReader, populate_for_write, populate_range
+from hf_zero3_loader.reader import PREFAULT_ENV, FileReader, OpenFiles, populate_for_write, populate_range
 
 PAGES = 4096  # 16 MiB of 4 KiB pages
 
@@ -142,3 +142,32 @@ def test_a_reader_of_slices_fetches_only_its_bytes_from_the_device(tmp_path, rea
     if not readahead:
         assert fetched <= 1.05 * wanted, (fetched, wanted)
     print(f"read-ahead {readahead}: {fetched / wanted:.2f}x the bytes read came from the device")
+
+
+def test_open_files_stay_under_the_limit_and_a_descriptor_in_use_is_never_closed(tmp_path):
+    """The reader's and the writer's descriptor cache (`reader.OpenFiles`): at most `max_open` open when none is in
+    use, the least recently used closed first, one a thread is using kept open past the limit."""
+    import os
+
+    paths = []
+    for i in range(5):
+        paths.append(str(tmp_path / f"f{i}"))
+        open(paths[-1], "wb").write(bytes([i]))
+    opened = []
+    files = OpenFiles(lambda p: opened.append(p) or os.open(p, os.O_RDONLY), max_open=2)
+    with files.use(paths[0]) as held:
+        for p in paths[1:4]:
+            with files.use(p) as fd:
+                assert os.pread(fd, 1, 0) == bytes([paths.index(p)])
+        assert os.pread(held, 1, 0) == b"\x00"  # in use throughout: never closed
+    with files.use(paths[4]):
+        pass
+    left = files.take_all()
+    assert len(left) == 2 and [p for p, _ in left] == paths[3:5]  # the two most recently used
+    for _, fd in left:
+        os.close(fd)
+    with files.use(paths[1]):  # closed earlier: opened again
+        pass
+    assert opened == paths + [paths[1]]
+    for _, fd in files.take_all():
+        os.close(fd)
