@@ -19,6 +19,8 @@ SIZES = {
     # the size-scaling rows of bench_load.py: ~0.29 GB and ~3.5 GB, the same model with 32 or 512 experts
     "bench_quarter": dict(_BENCH, num_experts=32, shard="200MB"),
     "bench_4gb": dict(_BENCH, num_experts=512, shard="400MB"),
+    # ~270 MB in 147 shards of at most 2 MB, for bench_headers.py (large MoE checkpoints come in 60-270 files)
+    "bench_many_shards": dict(_BENCH, num_hidden_layers=48, num_experts=4, shard="2MB"),
     # ~130 MB: large enough that a load's memory stands out from the process's own noise (tests/test_cli.py)
     "test": dict(vocab_size=8000, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=64, intermediate_size=1024, moe_intermediate_size=256,

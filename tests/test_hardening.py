@@ -239,16 +239,16 @@ def test_strided_copy_of_a_flat_range_matches_flatten():
                 assert torch.equal(out, flat[start:start + n]), (shape, perm, start, n)
 
 
-def test_many_shards_under_a_low_descriptor_limit(workdir):
+def _many_shards(workdir) -> str:
+    """A checkpoint of over 200 shards, one per tensor, as one saved with a tiny max_shard_size is."""
+    from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=24,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    from safetensors.torch import load_file, save_file
-
     base = make_checkpoint(os.path.join(workdir, "many_layers"), "many", config=config)
     path = os.path.join(workdir, "many_shards")
-    if not os.path.exists(path):  # one shard per tensor, as a checkpoint saved with a tiny max_shard_size is
+    if not os.path.exists(path):
         os.makedirs(path)
         shutil.copy(os.path.join(base, "config.json"), path)
         tensors = load_file(os.path.join(base, "model.safetensors"))
@@ -259,6 +259,11 @@ def test_many_shards_under_a_low_descriptor_limit(workdir):
             weight_map[key] = name
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+def test_many_shards_under_a_low_descriptor_limit(workdir):
+    path = _many_shards(workdir)
     shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
     assert len(shards) > 200, len(shards)
     case = {"name": "many", "path": path, "dtype": "float32", "max_open_files": 128,
@@ -268,6 +273,65 @@ def test_many_shards_under_a_low_descriptor_limit(workdir):
     assert "error" not in got, got.get("error", {}).get("traceback")
     for name, want in _plain(path).items():
         assert torch.equal(got["state"][name], want), name
+
+
+def test_headers_read_several_at_once_give_what_reading_in_turn_gives(workdir, monkeypatch, tmp_path):
+    """From cold storage the headers of several files are read at once (`checkpoint.read_headers`): the same
+    entries, identities and fingerprints as reading them in turn, and a damaged file fails the same way: the first
+    damaged one in file order is named, whichever thread read it."""
+    from hf_zero3_loader import checkpoint as ckpt
+    from hf_zero3_loader.errors import CheckpointError
+
+    folder = _many_shards(workdir)
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+    def opened(threads: int, paths: list[str]):
+        monkeypatch.setattr(ckpt, "HEADER_THREADS", threads)
+        monkeypatch.setattr(ckpt, "_start_is_cached", lambda path: False)  # as from cold storage
+        return ckpt.open_checkpoint(paths)
+
+    in_turn, at_once = opened(1, files), opened(8, files)
+    assert at_once.entries == in_turn.entries and list(at_once.entries) == list(in_turn.entries)
+    assert at_once.identities == in_turn.identities and at_once.fingerprints == in_turn.fingerprints
+    assert (at_once.header_bytes, at_once.sampled_bytes, at_once.metadata) == \
+        (in_turn.header_bytes, in_turn.sampled_bytes, in_turn.metadata)
+
+    damaged = [str(tmp_path / os.path.basename(f)) for f in files[:40]]
+    for src, dst in zip(files, damaged):
+        shutil.copy(src, dst)
+    for i in (37, 11):  # a header length past the end of the file
+        with open(damaged[i], "r+b") as f:
+            f.write((1 << 40).to_bytes(8, "little"))
+    messages = set()
+    for threads in (1, 8):
+        with pytest.raises(CheckpointError, match="corrupt safetensors header") as e:
+            opened(threads, damaged)
+        messages.add(str(e.value))
+    assert len(messages) == 1 and os.path.basename(damaged[11]) in messages.pop()
+
+
+def test_the_page_cache_probe_tells_a_file_just_read_from_one_evicted(workdir):
+    """Headers are read in turn when the checkpoint is in the page cache (threads would only add GIL handoffs) and
+    several at once when it is not: the probe deciding it says cached for a file just read and not for one evicted
+    (where this machine can evict it)."""
+    from hf_zero3_loader.checkpoint import _start_is_cached
+
+    folder = _many_shards(workdir)
+    path = os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))[0])
+    with open(path, "rb") as f:
+        f.read()
+    if not hasattr(os, "RWF_NOWAIT"):
+        assert not _start_is_cached(path)
+        return
+    assert _start_is_cached(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages only can be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if _start_is_cached(path):
+        pytest.skip("this machine kept the file in its page cache")
 
 
 def test_legacy_and_strided_pickled_checkpoints_load_bit_exact(workdir):
