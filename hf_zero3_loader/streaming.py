@@ -399,23 +399,28 @@ class Streamer:
 
     def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor]) -> None:
         """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`)."""
-        import torch.distributed as dist
-
         buf = self._buffer(self.chunk_bytes)
         status = torch.empty(2, dtype=torch.int64, device=self.device)
         for _, chunks in stream_chunks(plan, self.chunk_bytes):
             for chunk in chunks:
-                dist.recv(status, source)
-                if int(status[0]) != OK:
-                    raise PeerFailed(f"rank {source}, which streams this rank's checkpoint bytes, failed")
-                size = _chunk_size(chunk)
-                if int(status[1]) != size:
-                    raise LoaderError(f"internal error: rank {source} sent {int(status[1])} bytes, {size} expected")
-                dist.recv(buf[:size], source)
-                self.bytes_received += sum(p.nbytes for p in chunk)
+                self._receive_chunk(buf, status, source, chunk, "streams this rank's checkpoint bytes")
                 for piece in chunk:
                     data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
                     piece.place(data, destinations[piece.tensor])
+
+    def _receive_chunk(self, buf: torch.Tensor, status: torch.Tensor, source: int, chunk: list, role: str) -> int:
+        """One chunk from `source` into the start of `buf`, after its status; returns its size in bytes."""
+        import torch.distributed as dist
+
+        dist.recv(status, source)
+        if int(status[0]) != OK:
+            raise PeerFailed(f"rank {source}, which {role}, failed")
+        size = _chunk_size(chunk)
+        if int(status[1]) != size:
+            raise LoaderError(f"internal error: rank {source} sent {int(status[1])} bytes, {size} expected")
+        dist.recv(buf[:size], source)
+        self.bytes_received += sum(p.nbytes for p in chunk)
+        return size
 
     # -- a save: the same pieces and chunks, flowing the other way ----------------------------------------------------
 
@@ -456,8 +461,6 @@ class Streamer:
 
     def receive_to_files(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_writer, folder: str) -> None:
         """Receive each sending rank's plan's bytes and write them where its plan puts them in the files."""
-        import torch.distributed as dist
-
         from .writer import execute_write
 
         buf = self._buffer(self.chunk_bytes)
@@ -465,15 +468,8 @@ class Streamer:
         for source in sorted(plans):
             for _, chunks in stream_chunks(plans[source], self.chunk_bytes):
                 for chunk in chunks:
-                    dist.recv(status, source)
-                    if int(status[0]) != OK:
-                        raise PeerFailed(f"rank {source}, which streams its partitions to this rank, failed")
-                    size = _chunk_size(chunk)
-                    if int(status[1]) != size:
-                        raise LoaderError(f"internal error: rank {source} sent {int(status[1])} bytes, {size} expected")
-                    dist.recv(buf[:size], source)
+                    size = self._receive_chunk(buf, status, source, chunk, "streams its partitions to this rank")
                     data = buf[:size].cpu()
-                    self.bytes_received += sum(p.nbytes for p in chunk)
                     for piece in chunk:
                         item = piece.source()
                         item = ReadItem(os.path.join(folder, item.file), item.key, item.src_dtype, item.src_offset,
