@@ -14,6 +14,7 @@ import math
 import os
 import stat
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -219,36 +220,48 @@ def _parse_fetched(path: str, fetched: tuple[os.stat_result, int, bytes, str]) -
     return header, data_start, FileIdentity.of(st), fingerprint
 
 
-HEADER_THREADS = 8  # files whose header reads are in flight at once when the checkpoint is not in the page cache
+HEADER_THREADS = 8  # files whose header reads are in flight at once when the checkpoint is not in memory
 
 
 def read_headers(paths: list[str]) -> list[tuple[dict, int, FileIdentity, str]]:
     """`_read_header` of each path, in order. From cold or network storage, the reads of several files are in flight
     at once: each file takes about ten dependent small reads (open, length, header, data samples), and one file after
     another would wait on every round trip in turn (DeepSeek-V3 has 163 files). The threads only read; parsing and
-    checks, which hold the GIL, stay in this thread. From the page cache the files are read in turn: threads there
-    only add GIL handoffs (2.5x slower here). The first failing path in order raises, as reading in turn would."""
-    if len(paths) <= 1 or HEADER_THREADS <= 1 or _start_is_cached(paths[0]):
+    checks, which hold the GIL, stay in this thread. From memory (the page cache, tmpfs) the files are read in turn:
+    threads there only add GIL handoffs (2.5x slower here). The first failing path in order raises, as reading in
+    turn would."""
+    if len(paths) <= 1 or HEADER_THREADS <= 1 or _start_is_in_memory(paths[0]):
         return [_read_header(path) for path in paths]
     with ThreadPoolExecutor(min(HEADER_THREADS, len(paths)), thread_name_prefix="hf_zero3_loader-headers") as pool:
         return [_parse_fetched(path, fetched) for path, fetched in zip(paths, pool.map(_fetch_header, paths))]
 
 
-def _start_is_cached(path: str) -> bool:
-    """Whether the first bytes of `path` are in the page cache (a read that need not wait: `RWF_NOWAIT`), taken as
-    a sign for the whole checkpoint. False where the platform or filesystem cannot tell, as on network filesystems,
-    where reads are round trips anyway."""
-    if not hasattr(os, "RWF_NOWAIT"):
-        return False
+MEMORY_READ_S = 50e-6  # a small read from memory returns within this; one that waits on a device or a network does not
+
+
+def _start_is_in_memory(path: str) -> bool:
+    """Whether the first bytes of `path` are in memory, taken as a sign for the whole checkpoint: a read that need not
+    wait (`RWF_NOWAIT`) or, where the filesystem cannot say (tmpfs, network filesystems), a plain read of them that
+    returned within `MEMORY_READ_S`."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return True  # reading it in turn reports the error
     try:
-        os.preadv(fd, [bytearray(8)], 0, os.RWF_NOWAIT)
+        nowait = getattr(os, "RWF_NOWAIT", None)
+        if nowait is not None:
+            try:
+                os.preadv(fd, [bytearray(8)], 0, nowait)
+                return True
+            except BlockingIOError:  # EAGAIN: a device read would be needed
+                return False
+            except OSError:  # EOPNOTSUPP: this filesystem cannot say
+                pass
+        start = time.perf_counter()
+        os.pread(fd, 8, 0)
+        return time.perf_counter() - start < MEMORY_READ_S
+    except OSError:
         return True
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: this filesystem cannot tell
-        return False
     finally:
         os.close(fd)
 
