@@ -241,8 +241,9 @@ def main() -> None:
     ap.add_argument("--ep-only", action="store_true", help="run only the expert parallelism rows")
     ap.add_argument("--fp8-only", action="store_true",
                     help="only the FP8 rows: the checkpoint in fine-grained FP8, dequantized while loading")
-    ap.add_argument("--size", default="bench", choices=("bench_quarter", "bench", "bench_4gb"),
-                    help="the checkpoint: ~0.27 GB, ~1 GB (default) or ~3.8 GB of the same Qwen3-MoE (32/128/512 experts)")
+    ap.add_argument("--size", default="bench", choices=("bench_quarter", "bench", "bench_4gb", "bench_many_shards"),
+                    help="the checkpoint: ~0.27 GB, ~1 GB (default) or ~3.8 GB of the same Qwen3-MoE (32/128/512 "
+                         "experts), or bench_many_shards: ~0.27 GB of a 48-layer Qwen3-MoE in 147 shards")
     ap.add_argument("--cold", action="store_true",
                     help="evict the checkpoint from the page cache (posix_fadvise DONTNEED) before every launch")
     ap.add_argument("--stream", action="store_true",
