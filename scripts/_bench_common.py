@@ -38,6 +38,12 @@ def warm_page_cache(path: str) -> int:
     return total
 
 
+def device_read_bytes() -> int:
+    """Bytes this process has had fetched from the storage device so far (/proc/self/io; Linux)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+
+
 def evict_page_cache(path: str) -> int:
     """Drop every checkpoint file from the page cache (posix_fadvise DONTNEED), so the next launch reads cold."""
     total = 0

@@ -26,11 +26,6 @@ REPO = os.path.dirname(SCRIPTS)
 sys.path[:0] = [REPO, SCRIPTS]
 
 
-def device_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="./out/bench_headers")
@@ -38,7 +33,7 @@ def main() -> None:
     ap.add_argument("--threads", default="8", help="HEADER_THREADS values for the loader's variant, comma-separated")
     args = ap.parse_args()
 
-    from _bench_common import checkpoint_files, evict_page_cache, make_checkpoint
+    from _bench_common import checkpoint_files, device_read_bytes, evict_page_cache, make_checkpoint
 
     from hf_zero3_loader import checkpoint as ckpt
 

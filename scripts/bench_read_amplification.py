@@ -23,10 +23,7 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 sys.path[:0] = [REPO, SCRIPTS]
 
-
-def device_read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return int(next(line for line in f if line.startswith("read_bytes:")).split()[1])
+from _bench_common import device_read_bytes  # noqa: E402
 
 
 def evict(files: list[str]) -> None:
