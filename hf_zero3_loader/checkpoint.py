@@ -230,7 +230,7 @@ def read_headers(paths: list[str]) -> list[tuple[dict, int, FileIdentity, str]]:
     checks, which hold the GIL, stay in this thread. From memory (the page cache, tmpfs) the files are read in turn:
     threads there only add GIL handoffs (2.5x slower here). The first failing path in order raises, as reading in
     turn would."""
-    if len(paths) <= 1 or HEADER_THREADS <= 1 or _start_is_in_memory(paths[0]):
+    if len(paths) <= 1 or HEADER_THREADS <= 1 or (_start_is_in_memory(paths[-1]) and _start_is_in_memory(paths[0])):
         return [_read_header(path) for path in paths]
     with ThreadPoolExecutor(min(HEADER_THREADS, len(paths)), thread_name_prefix="hf_zero3_loader-headers") as pool:
         return [_parse_fetched(path, fetched) for path, fetched in zip(paths, pool.map(_fetch_header, paths))]
@@ -240,9 +240,10 @@ MEMORY_READ_S = 50e-6  # a small read from memory returns within this; one that 
 
 
 def _start_is_in_memory(path: str) -> bool:
-    """Whether the first bytes of `path` are in memory, taken as a sign for the whole checkpoint: a read that need not
-    wait (`RWF_NOWAIT`) or, where the filesystem cannot say (tmpfs, network filesystems), a plain read of them that
-    returned within `MEMORY_READ_S`."""
+    """Whether the first bytes of `path` are in memory: a read that need not wait (`RWF_NOWAIT`) or, where the
+    filesystem cannot say (tmpfs, network filesystems), a plain read of them that returned within `MEMORY_READ_S`.
+    The first and the last file in memory are taken as a sign for the whole checkpoint (tools that peek at a
+    checkpoint read its first file)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
