@@ -23,31 +23,23 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 sys.path[:0] = [REPO, SCRIPTS]
 
-from _bench_common import device_read_bytes  # noqa: E402
+from _bench_common import device_read_bytes, evict_page_cache, spans_of  # noqa: E402
 
 
-def evict(files: list[str]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-
-
-def machine_spans(folder: str, world_size: int, ranks: list[int]) -> tuple[list, list[str]]:
-    """(file, byte offset, nbytes) of every read the planner gives these ranks, in file order; and the shards."""
-    from _bench_common import spans_of
+def machine_spans(folder: str, world_size: int, ranks: list[int]) -> list:
+    """(file, byte offset, nbytes) of every read the planner gives these ranks, in file order."""
     from hf_zero3_loader.planner.inspect import plan_ranks
 
     plans, _, checkpoint, _, _ = plan_ranks(folder, world_size, ranks, with_model=True)
-    return sorted(span for plan in plans for span in spans_of(plan, checkpoint.entries)), checkpoint.files
+    return sorted(span for plan in plans for span in spans_of(plan, checkpoint.entries))
 
 
-def one_pass(spans: list, files: list[str], readahead: bool) -> tuple[int, float]:
+def one_pass(spans: list, folder: str, readahead: bool) -> tuple[int, float]:
     import torch
 
     from hf_zero3_loader.reader import FileReader
 
-    evict(files)
+    evict_page_cache(folder)
     out = torch.empty(max(n for _, _, n in spans), dtype=torch.uint8)
     reader = FileReader(readahead=readahead)
     before, start = device_read_bytes(), time.perf_counter()
@@ -71,11 +63,11 @@ def main() -> None:
         world, _, ranks = layout.partition(":")
         lo, _, hi = ranks.partition("-")
         held = list(range(int(lo), int(hi or lo) + 1))
-        spans, files = machine_spans(args.checkpoint, int(world), held)
+        spans = machine_spans(args.checkpoint, int(world), held)
         wanted = sum(n for _, _, n in spans)
         cells = []
         for readahead in (True, False):
-            fetched, seconds = one_pass(spans, files, readahead)
+            fetched, seconds = one_pass(spans, args.checkpoint, readahead)
             cells.append(f"{fetched / 2**20:.1f}, {fetched / wanted:.2f}x, {seconds:.2f}")
         name = f"rank {held[0]} of {world}" if len(held) == 1 else f"ranks {held[0]}-{held[-1]} of {world}"
         print(f"| {name} | {wanted / 2**20:.1f} | {cells[0]} | {cells[1]} |", flush=True)
