@@ -59,10 +59,17 @@ class ComputedEntry:
         raise NotImplementedError
 
 
-def _read_flat(reader, entry: TensorEntry, start: int, count: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _read_stored(reader, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
+    """Stored elements from the file or a pickled checkpoint's tensor (`reader.read_stored`)."""
+    from .reader import read_stored  # imported here: reader -> planner -> ops -> this module
+
+    read_stored(reader, entry, start, out)
+
+
+def _read_flat(reader, entry: TensorEntry, start: int, count: int) -> torch.Tensor:
     """Elements [start, start + count) of a stored tensor, as stored."""
-    out = torch.empty(count, dtype=dtype or entry.dtype)
-    reader.read_into(entry.file, entry.data_start + start * entry.itemsize, out.view(torch.uint8) if out.numel() else out)
+    out = torch.empty(count, dtype=entry.dtype)
+    _read_stored(reader, entry, start, out)
     return out
 
 
@@ -139,8 +146,8 @@ class Mxfp4Dequantized(ComputedEntry):
         scales = torch.empty(rows, count, dtype=torch.uint8)
         for r in range(rows):  # one row of blocks and of scales per R row: `count` groups each
             base = (e * rows + r) * groups + g0
-            reader.read_into(self.blocks.file, self.blocks.data_start + base * block_bytes, blocks[r].view(-1))
-            reader.read_into(self.scales.file, self.scales.data_start + base * self.scales.itemsize, scales[r])
+            _read_stored(reader, self.blocks, base * block_bytes, blocks[r].view(-1))
+            _read_stored(reader, self.scales, base, scales[r])
         lut = torch.tensor(FP4_VALUES, dtype=self.dtype)
         sub = torch.empty(rows * count, block_bytes * 2, dtype=self.dtype)
         flat_blocks = blocks.reshape(rows * count, block_bytes)

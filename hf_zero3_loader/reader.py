@@ -318,10 +318,22 @@ def _copy_flat_range(src: torch.Tensor, start: int, out: torch.Tensor) -> None:
             _copy_flat_range(src[full_end], 0, out[pos:])
 
 
+def read_stored(reader: FileReader, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
+    """Elements [start, start + out.numel()) of a stored tensor, bytes unchanged, into `out` (a contiguous tensor of
+    the stored item size): from the file, or from the tensor of a pickled checkpoint."""
+    if entry.tensor is None:
+        reader.read_into(entry.file, entry.data_start + start * entry.itemsize, out.view(torch.uint8) if out.numel() else out)
+        return
+    src = entry.tensor if entry.tensor.dtype == out.dtype else entry.tensor.view(out.dtype)
+    _copy_flat_range(src, start, out)
+    reader.stats.add(out.numel() * out.element_size())
+
+
 def _copy_from_tensor(src: torch.Tensor, item: ReadItem, out: torch.Tensor) -> None:
     """A ReadItem served from an in-memory (or memory-mapped) tensor."""
     if src.is_contiguous():
-        box = src.reshape(-1).as_strided((item.rows, item.cols), (item.row_stride, 1), item.src_offset)
+        flat = src.reshape(-1)  # as_strided's offset counts from the storage's start, not the view's
+        box = flat.as_strided((item.rows, item.cols), (item.row_stride, 1), flat.storage_offset() + item.src_offset)
     else:
         box = torch.empty((item.rows, item.cols), dtype=src.dtype)
         for r in range(item.rows):

@@ -1,12 +1,13 @@
 """No silent mixes, no long waits: ranks prove they load the same checkpoint, a dead or stopped rank is noticed
 within the liveness bound (a slow one is waited for), reads stop at the first failure or an interrupt, and the
-awkward inputs (many shards under a low descriptor limit, legacy and strided `.bin`, no launcher) load.
+awkward inputs (many shards under a low descriptor limit, legacy, strided and shared-storage `.bin`, no launcher) load.
 
 Multi-rank cases run each rank as its own process (`run_ranks`), so each rank's own outcome is seen.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -353,13 +354,13 @@ def test_the_page_cache_probe_tells_a_file_in_memory_from_one_evicted(workdir):
         pytest.skip("this machine kept the file in its page cache")
 
 
-def test_legacy_and_strided_pickled_checkpoints_load_bit_exact(workdir):
+def test_legacy_strided_and_shared_storage_pickled_checkpoints_load_bit_exact(workdir):
     from safetensors.torch import load_file
 
     base = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
     state = load_file(os.path.join(base, "model.safetensors"))
     folders = {}
-    for name, legacy, strided in (("legacy", True, False), ("strided", False, True)):
+    for name, legacy, strided in (("legacy", True, False), ("strided", False, True), ("shared", False, False)):
         folder = os.path.join(workdir, f"bin_{name}")
         if not os.path.exists(folder):
             os.makedirs(folder)
@@ -368,6 +369,11 @@ def test_legacy_and_strided_pickled_checkpoints_load_bit_exact(workdir):
             tensors = {k: (v.t().contiguous().t() if strided and v.dim() == 2 else v) for k, v in state.items()}
             if strided:
                 assert not all(t.is_contiguous() for t in tensors.values())
+            if name == "shared":  # views into one storage at their own offsets, as torch.save keeps them
+                assert len({t.dtype for t in tensors.values()}) == 1
+                flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+                offsets = [0, *itertools.accumulate(t.numel() for t in tensors.values())]
+                tensors = {k: flat[o:o + t.numel()].view(t.shape) for (k, t), o in zip(tensors.items(), offsets)}
             torch.save(tensors, os.path.join(folder, "pytorch_model.bin"), _use_new_zipfile_serialization=not legacy)
         folders[name] = folder
     cases = [{"name": n, "path": p, "dtype": "float32", "out": os.path.join(workdir, f"bin_{n}.pt")}

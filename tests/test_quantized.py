@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.checkpoints import (ernie4_5_vl_moe_config, fp8_checkpoint, gpt_oss_config, make_checkpoint,
-                               mxfp4_checkpoint)
+                               mxfp4_checkpoint, pickled_checkpoint)
 from tests.conftest import run_torchrun
 from tests.dist_worker import quantization_config
 
@@ -49,15 +49,18 @@ def ckpts(workdir):
     gpt_oss = make_checkpoint(d("gpt_oss_bf16"), "g", dtype=torch.bfloat16, config=gpt_oss_config())
     from transformers import AutoModelForImageTextToText
 
+    fp8, mxfp4 = {"quant_method": "fp8", "dequantize": True}, {"quant_method": "mxfp4", "dequantize": True}
     return {
         # name: (path, quant spec or None, model class)
-        "fp8 qwen3_moe": (fp8_checkpoint(qwen, d("qwen_fp8")), {"quant_method": "fp8", "dequantize": True},
-                          "AutoModelForCausalLM"),
+        "fp8 qwen3_moe": (fp8_checkpoint(qwen, d("qwen_fp8")), fp8, "AutoModelForCausalLM"),
         # a non-square scale grid (blocks of 128 x 64), a dense family, and transformers switching to dequantize by
         # itself (no GPU here), with its own warning
         "fp8 llama 128x64": (fp8_checkpoint(llama, d("llama_fp8"), block=(128, 64)), None, "AutoModelForCausalLM"),
-        "mxfp4 gpt_oss": (mxfp4_checkpoint(gpt_oss, d("gpt_oss_mxfp4")), {"quant_method": "mxfp4", "dequantize": True},
-                          "AutoModelForCausalLM"),
+        "mxfp4 gpt_oss": (mxfp4_checkpoint(gpt_oss, d("gpt_oss_mxfp4")), mxfp4, "AutoModelForCausalLM"),
+        # the same quantized tensors in a pickled `.bin`: dequantized from the unpickled tensors, not the file's bytes
+        "pickled fp8 qwen3_moe": (pickled_checkpoint(d("qwen_fp8"), d("qwen_fp8_bin")), fp8, "AutoModelForCausalLM"),
+        "pickled mxfp4 gpt_oss": (pickled_checkpoint(d("gpt_oss_mxfp4"), d("gpt_oss_mxfp4_bin")), mxfp4,
+                                  "AutoModelForCausalLM"),
         "ernie4_5_vl_moe": (make_checkpoint(d("ernie_vl"), "e", config=ernie4_5_vl_moe_config(),
                                             model_class=AutoModelForImageTextToText), None,
                             "AutoModelForImageTextToText"),
@@ -74,7 +77,8 @@ def dumps(ckpts, workdir, world_size):
                   "kwargs": {"quantization_config": spec} if spec else {"keep_in_fp32": name.startswith("ernie")},
                   "out": os.path.join(workdir, f"quant_w{world_size}_{name.replace(' ', '_')}.pt")}
                  for name, (path, spec, cls) in ckpts.items()
-                 if not (name == "ernie4_5_vl_moe" and world_size == 1)]
+                 if not (name == "ernie4_5_vl_moe" and world_size == 1)
+                 and (world_size == 3 or not name.startswith("pickled"))]  # pickled copies: at 3 ranks only
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
     return _dumps[world_size]
 

@@ -171,3 +171,21 @@ def test_open_files_stay_under_the_limit_and_a_descriptor_in_use_is_never_closed
     assert opened == paths + [paths[1]]
     for _, fd in files.take_all():
         os.close(fd)
+
+
+def test_pickled_tensors_are_read_from_their_own_bytes_when_they_share_a_storage():
+    """torch.save keeps views as views: a pickled checkpoint's tensors can start anywhere in a shared storage."""
+    from hf_zero3_loader.checkpoint import TensorEntry
+    from hf_zero3_loader.planner.plan import ReadItem
+    from hf_zero3_loader.reader import ReadStats, execute_read, read_stored
+
+    storage = torch.arange(40, dtype=torch.float32)
+    tensor = storage[16:].view(4, 6)  # storage offset 16
+    entry = TensorEntry(key="w", file="pytorch_model.bin", dtype=tensor.dtype, shape=(4, 6), data_start=0, tensor=tensor)
+    reader = FileReader(ReadStats())
+    out = torch.empty(6)
+    execute_read(reader, ReadItem("pytorch_model.bin", "w", tensor.dtype, 7, 2, 3, 6, 0), entry, out)
+    assert torch.equal(out, torch.cat([tensor.reshape(-1)[7:10], tensor.reshape(-1)[13:16]]))
+    stored = torch.empty(5, dtype=torch.int32)  # bytes unchanged, viewed as the reader's dtype of that item size
+    read_stored(reader, entry, 3, stored)
+    assert torch.equal(stored, tensor.reshape(-1)[3:8].view(torch.int32))
