@@ -188,15 +188,15 @@ class Agreement:
             delay = min(delay * 1.5, cap)
 
     def check(self, phase: str, error: BaseException | None = None, same: dict | None = None,
-              differs: str = "are not loading the same checkpoint") -> None:
+              differs: str = "are not loading the same checkpoint", error_type: type = errors.CheckpointError) -> None:
         """Every rank calls this at the same points; raise on every rank if `error` is set on any rank, or if
-        `same` (label -> value) differs from the first rank's (then: "ranks A and B {differs}: ...")."""
+        `same` (label -> value) differs from the first rank's (then `error_type`: "ranks A and B {differs}: ...")."""
         if isinstance(error, AgreedFailure):
             raise error
         key = f"{self.prefix}/point{next(self.points)}"
         try:
             if error is None and same is not None:
-                error = self._compare(key, same, differs)
+                error = self._compare(key, same, differs, error_type)
             if error is not None:
                 payload = json.dumps([self.rank, type(error).__module__, type(error).__qualname__, str(error)])
                 self.store.compare_set(f"{key}/error", "", payload)  # the first failure wins
@@ -246,7 +246,7 @@ class Agreement:
         except Exception as e:
             raise _store_lost(e) from e
 
-    def _compare(self, key: str, same: dict, differs: str) -> BaseException | None:
+    def _compare(self, key: str, same: dict, differs: str, error_type: type) -> BaseException | None:
         mine = {"rank": self.rank, "values": same}
         stored = self.store.compare_set(f"{key}/reference", "", json.dumps(mine)).decode()
         reference = json.loads(stored)
@@ -255,7 +255,7 @@ class Agreement:
         theirs = reference["values"]
         for label in list(theirs) + [k for k in same if k not in theirs]:
             if theirs.get(label) != same.get(label):
-                return errors.CheckpointError(
+                return error_type(
                     f"ranks {reference['rank']} and {self.rank} {differs}: "
                     f"{label} differs ({_short(theirs.get(label))} on rank {reference['rank']}, "
                     f"{_short(same.get(label))} on rank {self.rank})"

@@ -378,6 +378,49 @@ def _pickled_fingerprint(path: str) -> tuple[FileIdentity, str, int]:
         os.close(fd)
 
 
+STATE_DICT = "state_dict"  # the "file" of a checkpoint given as `from_pretrained(None, state_dict=...)`
+
+
+def checkpoint_from_state_dict(state_dict: dict) -> Checkpoint:
+    """A `state_dict=` passed to `from_pretrained`: every rank holds the values; each copies its partitions' elements
+    from them as from a pickled checkpoint's tensors. The fingerprint (names, dtypes, shapes and each tensor's first
+    and last elements) is what ranks compare, so state dicts that differ between ranks (an unseeded random init, a
+    rank that built its own) are refused rather than mixed."""
+    entries, names, samples = {}, hashlib.sha256(), []
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            continue  # as in a pickled checkpoint (and transformers' own loading): only tensors are weights
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise CheckpointError(f"state_dict[{key!r}] is a {type(t).__name__}; pass plain tensors (each rank copies "
+                                  "its partitions from them)")
+        if t.is_meta:
+            raise CheckpointError(f"state_dict[{key!r}] is on the meta device: under ZeRO-3 every rank copies its own "
+                                  "partitions from the state dict, so every rank must pass it with its values")
+        if t.dtype not in SAFETENSORS_DTYPES.values():
+            raise CheckpointError(f"state_dict[{key!r}] has unsupported dtype {t.dtype}")
+        t = t.detach()
+        entries[key] = TensorEntry(key=key, file=STATE_DICT, dtype=t.dtype, shape=tuple(t.shape), data_start=0,
+                                   tensor=t)
+        names.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        if t.numel():
+            samples += [edge.contiguous().view(torch.uint8).reshape(-1).cpu() for edge in _edge_elements(t)]
+    data = hashlib.sha256(torch.cat(samples).numpy().tobytes() if samples else b"").hexdigest()
+    checkpoint = Checkpoint(files=[], entries=entries, header_bytes=0, metadata={})
+    checkpoint.fingerprints[STATE_DICT] = (f"{len(entries)} tensors, {sum(e.nbytes for e in entries.values())} bytes, "
+                                           f"names {names.hexdigest()[:16]}, data {data[:16]}")
+    return checkpoint
+
+
+def _edge_elements(t: torch.Tensor, count: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of (up to) the first and the last `count` elements in flat order, without copying `t`."""
+    if t.is_contiguous():
+        flat = t.view(-1)
+        return flat[:count], flat[-count:]
+    if t.dim() == 1:
+        return t[:count], t[-count:]
+    return t[(0,) * (t.dim() - 1)][:count], t[(-1,) * (t.dim() - 1)][-count:]
+
+
 def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
     """Parse the headers of the given files (all shards of one checkpoint); tensor data is not read."""
     checkpoint = Checkpoint(files=list(files), entries={}, header_bytes=0, metadata={})

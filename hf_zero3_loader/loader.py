@@ -147,7 +147,8 @@ def from_pretrained(
     report = target.hf_zero3_load_report
     report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
     report.seconds = time.perf_counter() - start - init_distributed_s
-    log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %s%s", pretrained_model_name_or_path,
+    source = "a state_dict" if pretrained_model_name_or_path is None else pretrained_model_name_or_path
+    log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %s%s", source,
              report.world_size, report.seconds, report.init_context, report.reason, log.size(report.read.bytes_read),
              f", received {log.size(report.stream['bytes_received'])}" if report.stream else "")
     return model
@@ -212,7 +213,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
                 budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes, strict_dtype, staging_bytes):
     import torch.distributed as dist
 
-    error, ep_request = None, None
+    error, ep_request, from_state_dict = None, None, False
     try:  # the call's own checks: whatever fails, every rank hears of it at the first agreement point
         if kwargs.get("device_map") is not None:
             raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition "
@@ -222,12 +223,16 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         check_supported(setup)
         if init_context not in ("auto", "meta", "zero.Init"):
             raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
-        index = find_index(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"), kwargs.get("variant"),
-                           kwargs.get("use_safetensors"))
+        from_state_dict = kwargs.get("state_dict") is not None  # every rank copies its partitions from its own
+        index = None if from_state_dict else find_index(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"),
+                                                        kwargs.get("variant"), kwargs.get("use_safetensors"))
         if index is not None:  # transformers would fail on a malformed index with a bare KeyError/TypeError
             check_index(index)
         if load_from not in MODES:
             raise ConfigError(f"load_from must be one of {MODES}, got {load_from!r}")
+        if from_state_dict and load_from == "stream":
+            raise ConfigError("load_from='stream' sends checkpoint files' bytes; a state_dict= is in every rank's "
+                              "memory already: use load_from='auto' or 'read'")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
         check_budget(staging_bytes)
@@ -238,7 +243,11 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
                               "DeepSpeed's engine-side AutoEP, which needs `expert_parallel` in the DeepSpeed config")
     except Exception as e:
         error = e
-    agreement.check("check the arguments and the DeepSpeed config", error)
+    # the arguments that choose the path every rank takes (and so the collectives it joins) must agree
+    same = {"state_dict= given": from_state_dict, "init_context": init_context, "load_from": load_from,
+            "expert parallel size": ep_request.ep_size if ep_request is not None else None}
+    agreement.check("check the arguments and the DeepSpeed config", error, same=same,
+                    differs="were not called with the same arguments", error_type=ConfigError)
     expert_parallel = None
     if ep_request is not None:  # groups first, on every rank: the engine reuses them
         expert_parallel = (ep_request, create_groups(ep_request, setup.config))
@@ -246,7 +255,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
                                     "requested with init_context='zero.Init'")
     stream, original_path = None, path
-    if load_from != "read" and dist.get_world_size() > 1:
+    if load_from != "read" and dist.get_world_size() > 1 and not from_state_dict:
         stream, path, kwargs = find_readers(path, kwargs, agreement, load_from, chunk_bytes, expert_parallel)
     try:
         return _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel,

@@ -21,7 +21,7 @@ import torch
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import Agreement
-from .checkpoint import check_files, check_weight_map, open_checkpoint
+from .checkpoint import STATE_DICT, check_files, check_weight_map, checkpoint_from_state_dict, open_checkpoint
 from .errors import CheckpointError, ConfigError, ConversionMismatchError
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
@@ -85,11 +85,10 @@ class Zero3Load:
         return result
 
     def _load(self, model, state_dict, checkpoint_files, load_config):
-        if state_dict is not None:
-            raise ConfigError("hf_zero3_loader reads checkpoints from files; `state_dict=` is not supported")
         self._refuse_kept_quantized(load_config.hf_quantizer)
         with self.report.phase("plan"):
-            checkpoint = self._open_checkpoint(checkpoint_files, load_config)
+            checkpoint = (checkpoint_from_state_dict(state_dict) if state_dict is not None
+                          else self._open_checkpoint(checkpoint_files, load_config))
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
             self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint))
         with self.report.phase("plan"):
@@ -303,13 +302,14 @@ class Zero3Load:
 
 def checkpoint_identity(model, load_config, checkpoint) -> dict:
     """What every rank must agree on before planning: the config transformers built, the index, and every file's
-    size, header and sampled data (each rank's copy is compared with the first rank's)."""
+    size, header and sampled data, or a `state_dict`'s fingerprint (each rank's is compared with the first rank's)."""
     config = {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_")}
     weight_map = (load_config.sharded_metadata or {}).get("weight_map")
     digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
     return {"config.json": digest(config), "the list of files": digest(sorted(checkpoint.fingerprints)),
             "the index": digest(weight_map) if weight_map else "none",
-            **{f"file {name}": value for name, value in sorted(checkpoint.fingerprints.items())}}
+            **{(name if name == STATE_DICT else f"file {name}"): value
+               for name, value in sorted(checkpoint.fingerprints.items())}}
 
 
 def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> bool:

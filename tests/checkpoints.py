@@ -306,3 +306,19 @@ def pickled_checkpoint(src: str, dst: str) -> str:
             shutil.copy(os.path.join(src, name), dst)
     torch.save(state, os.path.join(dst, "pytorch_model.bin"))
     return dst
+
+
+def state_dict_of(path: str, layout: str, model_class) -> dict:
+    """A checkpoint's weights as a state dict: "checkpoint", the files' tensors under their stored names (per-expert
+    keys that the conversion merges); "model", a plain load's own `state_dict()` (merged experts, tied weights under
+    both names, sharing one tensor)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    if layout == "model":
+        return dict(model_class.from_pretrained(path, dtype=torch.float32).state_dict())
+    state = {}
+    for name in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        state.update(load_file(name))
+    return state

@@ -178,6 +178,30 @@ def quantization_config(spec: dict):
     return classes[spec["quant_method"]](dequantize=spec.get("dequantize", False))
 
 
+def state_dict_call(case: dict, model_class, kwargs: dict):
+    """`case["state_dict"]`: {"layout": "checkpoint" | "model" (`checkpoints.state_dict_of`), "drop": [keys],
+    "differs_on_rank": r (one tensor + 1 there), "meta_on_rank": r (meta tensors there), "only_rank": r (the others
+    pass none)}; returns the concrete model class (transformers' Auto classes need a folder) and the kwargs."""
+    from transformers import AutoConfig
+
+    from tests.checkpoints import state_dict_of
+
+    spec, rank = case["state_dict"], dist.get_rank()
+    config = AutoConfig.from_pretrained(case["path"])
+    model_class = getattr(model_class, "_model_mapping", {type(config): model_class})[type(config)]
+    state = state_dict_of(case["path"], spec["layout"], model_class)
+    for key in spec.get("drop", []):
+        del state[key]
+    if spec.get("differs_on_rank") == rank:
+        key = sorted(state)[-1]
+        state[key] = state[key] + 1
+    if spec.get("meta_on_rank") == rank:
+        state = {k: v.to("meta") for k, v in state.items()}
+    if spec.get("only_rank", rank) != rank:
+        state = None
+    return model_class, {**kwargs, "config": config, "state_dict": state}
+
+
 def run_case(case: dict) -> dict:
     import transformers
 
@@ -205,6 +229,9 @@ def run_case(case: dict) -> dict:
         kwargs["distributed_config"] = transformers.DistributedConfig(**kwargs["distributed_config"])
     if isinstance(kwargs.get("quantization_config"), dict):  # {"quant_method": "fp8"|"mxfp4", "dequantize": True}
         kwargs["quantization_config"] = quantization_config(kwargs["quantization_config"])
+    if "state_dict" in case:  # from_pretrained(None, config=..., state_dict=...) instead of the folder
+        model_class, kwargs = state_dict_call(case, model_class, kwargs)
+        case = {**case, "path": None}
     result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     if "seed" in case:
         torch.manual_seed(case["seed"])

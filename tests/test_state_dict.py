@@ -1,0 +1,108 @@
+"""`from_pretrained(None, config=..., state_dict=...)` under ZeRO-3: every rank copies its own partitions' elements
+from the state dict it holds, through the same plan as a checkpoint on disk.
+
+At 3 ranks (sizes it does not divide): the gathered model equals, bit for bit and in dtype, the plain single-process
+load of the same state dict, for a state dict in the checkpoint's layout (per-expert keys the conversion merges) and in
+the model's own (`state_dict()`: merged experts, tied weights under both names), with a key missing; with expert
+parallelism each rank holds the experts the folder gives it; ranks that pass different state dicts, meta tensors or
+no state dict at all fail with the same clear error on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint, state_dict_of
+from tests.conftest import run_torchrun
+from tests.test_expert_parallel import checkpoint as ep_checkpoint
+from tests.test_expert_parallel import ep_ds_config
+
+CASES = {
+    # name: (family, layout, dropped keys)
+    "moe_checkpoint_layout": ("qwen3_moe", "checkpoint", []),
+    "moe_model_layout_missing_key": ("qwen3_moe", "model", ["model.layers.1.mlp.experts.down_proj"]),
+    "tied_model_layout": ("llama_tied", "model", []),
+}
+REFUSED = {
+    # name: (state dict spec, every rank's error: type and what it says)
+    "differs_on_rank_2": ({"differs_on_rank": 2}, "CheckpointError",
+                          "are not loading the same checkpoint: state_dict differs"),
+    "meta_on_rank_1": ({"meta_on_rank": 1}, "CheckpointError", "is on the meta device"),
+    "only_rank_0": ({"only_rank": 0}, "ConfigError", "were not called with the same arguments: state_dict= given differs"),
+}
+
+
+@pytest.fixture(scope="module")
+def paths(workdir):
+    return {f: make_checkpoint(os.path.join(workdir, f), f) for f in ("qwen3_moe", "llama_tied")}
+
+
+@pytest.fixture(scope="module")
+def dumps(paths, workdir):
+    cases = [{"name": name, "path": paths[family], "dtype": "float32", "seed": 7,
+              "state_dict": {"layout": layout, "drop": drop}, "kwargs": {"output_loading_info": True},
+              "out": os.path.join(workdir, f"state_dict_{name}.pt")}
+             for name, (family, layout, drop) in CASES.items()]
+    cases += [{"name": name, "path": paths["llama_tied"], "dtype": "float32", "state_dict": {"layout": "checkpoint", **spec},
+               "out": os.path.join(workdir, f"state_dict_{name}.pt")} for name, (spec, _, _) in REFUSED.items()]
+    ep = {"path": ep_checkpoint(workdir, "qwen3_moe"), "dtype": "bfloat16", "ds_config": ep_ds_config(3),
+          "all_ranks_state": True}  # expert parallelism over the 3 ranks: from the folder, and from a state dict
+    cases += [{**ep, "name": "ep_folder", "out": os.path.join(workdir, "state_dict_ep_folder.pt")},
+              {**ep, "name": "ep_state_dict", "state_dict": {"layout": "checkpoint"},
+               "out": os.path.join(workdir, "state_dict_ep.pt")}]
+    return {c["name"]: d for c, d in zip(cases, run_torchrun(3, cases, workdir))}
+
+
+@functools.lru_cache(maxsize=None)
+def plain(path: str, layout: str, drop: tuple) -> tuple[dict, dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    state = state_dict_of(path, layout, model_class)
+    for key in drop:
+        del state[key]
+    torch.manual_seed(7)
+    model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32,
+                                              output_loading_info=True)
+    tensors = {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
+                                          *model.named_buffers(remove_duplicate=False)]}
+    return tensors, {k: sorted(map(str, v)) for k, v in info.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_state_dict_loads_equal_to_the_plain_load_of_it(dumps, paths, name):
+    family, layout, drop = CASES[name]
+    got = dumps[name]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    want, info = plain(paths[family], layout, tuple(drop))
+    assert set(got["state"]) == set(want)
+    for key, expected in want.items():
+        actual = got["state"][key]
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{name} {key}"
+    assert got["loading_info"] == info
+    assert sorted(info["missing_keys"]) == sorted(drop)
+    for rank in dumps[name]["ranks"]:  # each rank copied about its third, from its own state dict
+        assert 0 < rank["report"]["bytes_read"] < 0.5 * sum(t.numel() * t.element_size() for t in want.values())
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_state_dicts_that_ranks_do_not_share_are_refused_on_every_rank(dumps, name):
+    _, error_type, message = REFUSED[name]
+    for rank in dumps[name]["ranks"]:
+        assert "error" in rank, f"rank {rank['rank']} loaded"
+        assert rank["error"]["type"] == error_type and message in rank["error"]["message"], rank["error"]
+
+
+def test_a_state_dict_loads_with_expert_parallelism_as_the_folder_does(dumps):
+    folder, state_dict = dumps["ep_folder"]["ranks"], dumps["ep_state_dict"]["ranks"]
+    for a, b in zip(folder, state_dict):  # each rank's own experts, and the same report of them
+        assert "error" not in b, b.get("error", {}).get("traceback")
+        assert a["report"]["expert_parallel"] == b["report"]["expert_parallel"]
+        assert set(a["state"]) == set(b["state"])
+        for key, value in a["state"].items():
+            assert value.dtype == b["state"][key].dtype and torch.equal(value, b["state"][key]), key
