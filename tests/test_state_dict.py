@@ -4,8 +4,9 @@ from the state dict it holds, through the same plan as a checkpoint on disk.
 At 3 ranks (sizes it does not divide): the gathered model equals, bit for bit and in dtype, the plain single-process
 load of the same state dict, for a state dict in the checkpoint's layout (per-expert keys the conversion merges) and in
 the model's own (`state_dict()`: merged experts, tied weights under both names), with a key missing; with expert
-parallelism each rank holds the experts the folder gives it; ranks that pass different state dicts, meta tensors or
-no state dict at all fail with the same clear error on every rank.
+parallelism each rank holds the experts the folder gives it; every family of the sweep (tests/families.py) loads from a
+state dict like the plain load; ranks that pass different state dicts, meta tensors or no state dict at all fail with
+the same clear error on every rank.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint, state_dict_of
 from tests.conftest import run_torchrun
+from tests.families import SWEEP, sweep_checkpoint
 from tests.test_expert_parallel import checkpoint as ep_checkpoint
 from tests.test_expert_parallel import ep_ds_config
 
@@ -58,7 +60,7 @@ def dumps(paths, workdir):
 
 
 @functools.lru_cache(maxsize=None)
-def plain(path: str, layout: str, drop: tuple) -> tuple[dict, dict]:
+def plain(path: str, layout: str, drop: tuple = ()) -> tuple[dict, dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
@@ -106,3 +108,23 @@ def test_a_state_dict_loads_with_expert_parallelism_as_the_folder_does(dumps):
         assert set(a["state"]) == set(b["state"])
         for key, value in a["state"].items():
             assert value.dtype == b["state"][key].dtype and torch.equal(value, b["state"][key]), key
+
+
+def test_every_family_in_the_sweep_loads_from_a_state_dict_like_the_plain_load(workdir):
+    """The family sweep's checkpoints at 3 ranks, every other family's state dict in the checkpoint's layout, the
+    rest in the model's own (`state_dict()`)."""
+    cases = [{"name": t, "path": sweep_checkpoint(workdir, t), "dtype": "float32",
+              "state_dict": {"layout": ("checkpoint", "model")[i % 2]},
+              "out": os.path.join(workdir, f"state_dict_sweep_{t}.pt")} for i, t in enumerate(SWEEP)]
+    failures = []
+    for case, dump in zip(cases, run_torchrun(3, cases, workdir, timeout=1500)):
+        got = dump["rank0"]
+        if "error" in got:
+            failures.append(f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}")
+            continue
+        want, _ = plain(case["path"], case["state_dict"]["layout"])
+        differ = sorted(set(want) ^ set(got["state"])) or [
+            n for n, w in want.items() if not (got["state"][n].dtype == w.dtype and torch.equal(got["state"][n], w))]
+        if differ:
+            failures.append(f"{case['name']} ({case['state_dict']['layout']} layout): differ {differ[:3]}")
+    assert not failures, "\n".join(failures)
