@@ -379,36 +379,52 @@ def _pickled_fingerprint(path: str) -> tuple[FileIdentity, str, int]:
 
 
 STATE_DICT = "state_dict"  # the "file" of a checkpoint given as `from_pretrained(None, state_dict=...)`
+STATE_DICT_VALUES = "state_dict (values)"  # its fingerprint's second part (what ranks holding values compare)
 
 
-def checkpoint_from_state_dict(state_dict: dict) -> Checkpoint:
-    """A `state_dict=` passed to `from_pretrained`: every rank holds the values; each copies its partitions' elements
-    from them as from a pickled checkpoint's tensors. The fingerprint (names, dtypes, shapes and each tensor's first
-    and last elements) is what ranks compare, so state dicts that differ between ranks (an unseeded random init, a
-    rank that built its own) are refused rather than mixed."""
-    entries, names, samples = {}, hashlib.sha256(), []
+def checkpoint_from_state_dict(state_dict: dict, streamed: bool = False) -> Checkpoint:
+    """A `state_dict=` passed to `from_pretrained`: a rank that holds the values copies its partitions' elements from
+    them as from a pickled checkpoint's tensors. The fingerprint (names, dtypes and shapes; the values' first and last
+    elements) is what ranks compare, so state dicts that differ between ranks (an unseeded random init, a rank that
+    built its own) are refused rather than mixed. `streamed`: ranks with meta tensors receive their bytes from a
+    rank with values (`streaming.find_state_dict_holders`, which compares the values among those)."""
+    entries = {}
     for key, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             continue  # as in a pickled checkpoint (and transformers' own loading): only tensors are weights
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise CheckpointError(f"state_dict[{key!r}] is a {type(t).__name__}; pass plain tensors (each rank copies "
                                   "its partitions from them)")
-        if t.is_meta:
-            raise CheckpointError(f"state_dict[{key!r}] is on the meta device: under ZeRO-3 every rank copies its own "
-                                  "partitions from the state dict, so every rank must pass it with its values")
+        if t.is_meta and not streamed:
+            raise CheckpointError(f"state_dict[{key!r}] is on the meta device, and no rank holds the values: pass them "
+                                  "on at least one rank (the others receive their partitions' bytes from it)")
         if t.dtype not in SAFETENSORS_DTYPES.values():
             raise CheckpointError(f"state_dict[{key!r}] has unsupported dtype {t.dtype}")
-        t = t.detach()
         entries[key] = TensorEntry(key=key, file=STATE_DICT, dtype=t.dtype, shape=tuple(t.shape), data_start=0,
-                                   tensor=t)
-        names.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
-        if t.numel():
-            samples += [edge.contiguous().view(torch.uint8).reshape(-1).cpu() for edge in _edge_elements(t)]
-    data = hashlib.sha256(torch.cat(samples).numpy().tobytes() if samples else b"").hexdigest()
+                                   tensor=t.detach())
     checkpoint = Checkpoint(files=[], entries=entries, header_bytes=0, metadata={})
-    checkpoint.fingerprints[STATE_DICT] = (f"{len(entries)} tensors, {sum(e.nbytes for e in entries.values())} bytes, "
-                                           f"names {names.hexdigest()[:16]}, data {data[:16]}")
+    names, values = state_dict_fingerprint(state_dict)
+    checkpoint.fingerprints[STATE_DICT] = names
+    if not streamed:
+        checkpoint.fingerprints[STATE_DICT_VALUES] = values
     return checkpoint
+
+
+def state_dict_fingerprint(state_dict: dict) -> tuple[str, str | None]:
+    """(names, dtypes, shapes and bytes; digest of each tensor's first and last elements, None with meta tensors)."""
+    names, samples, count, nbytes = hashlib.sha256(), [], 0, 0
+    for key, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            continue
+        count, nbytes = count + 1, nbytes + t.numel() * t.element_size()
+        names.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        if samples is not None and t.is_meta:
+            samples = None
+        elif samples is not None and t.numel():
+            samples += [edge.contiguous().view(torch.uint8).reshape(-1).cpu() for edge in _edge_elements(t.detach())]
+    values = None if samples is None else hashlib.sha256(
+        torch.cat(samples).numpy().tobytes() if samples else b"").hexdigest()[:16]
+    return f"{count} tensors, {nbytes} bytes, names {names.hexdigest()[:16]}", values
 
 
 def _edge_elements(t: torch.Tensor, count: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from .missing_init import DEFAULT_BUDGET_BYTES
 from .reader import default_io_threads
 from .report import LoadReport, attach
 from .staging import DEFAULT_STAGING_BYTES, check_budget
-from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers
+from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers, find_state_dict_holders
 from .zero3_load import Zero3Load, local_device
 
 __all__ = ["LoadReport", "from_pretrained"]
@@ -230,9 +230,6 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             check_index(index)
         if load_from not in MODES:
             raise ConfigError(f"load_from must be one of {MODES}, got {load_from!r}")
-        if from_state_dict and load_from == "stream":
-            raise ConfigError("load_from='stream' sends checkpoint files' bytes; a state_dict= is in every rank's "
-                              "memory already: use load_from='auto' or 'read'")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
         check_budget(staging_bytes)
@@ -255,7 +252,9 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
                                     "requested with init_context='zero.Init'")
     stream, original_path = None, path
-    if load_from != "read" and dist.get_world_size() > 1 and not from_state_dict:
+    if from_state_dict and dist.get_world_size() > 1:  # with load_from="read" too: a rank holding meta is named
+        stream = find_state_dict_holders(kwargs["state_dict"], agreement, load_from, chunk_bytes, expert_parallel)
+    elif load_from != "read" and dist.get_world_size() > 1:
         stream, path, kwargs = find_readers(path, kwargs, agreement, load_from, chunk_bytes, expert_parallel)
     try:
         return _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel,

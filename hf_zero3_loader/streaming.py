@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .checkpoint import (SAFETENSORS_DTYPES, Checkpoint, TensorEntry, _open_pickled, _pickled_fingerprint,
-                         _read_header, local_checkpoint)
+from .checkpoint import (SAFETENSORS_DTYPES, STATE_DICT_VALUES, Checkpoint, TensorEntry, _open_pickled,
+                         _pickled_fingerprint, _read_header, local_checkpoint, state_dict_fingerprint)
 from .errors import CheckpointError, ConfigError, LoaderError, PeerFailed
 from .planner.plan import LoadPlan, ReadItem
 
@@ -55,6 +55,7 @@ class Peer:
     reason: str = ""
     ep_rank: int = 0
     edp_rank: int = 0
+    copy: str = ""  # what it would read (a state dict's values): the readers' must agree
 
 
 def node_id() -> str:
@@ -206,6 +207,53 @@ class StreamContext:
     chunk_bytes: int
 
 
+def _expert_ranks(expert_parallel) -> tuple[int, int]:
+    """This rank's (EP rank, expert-data-parallel rank): which experts, and which slice of them, it loads."""
+    import torch.distributed as dist
+
+    if expert_parallel is None:
+        return 0, 0
+    groups = expert_parallel[1]
+    return groups.ep_rank, dist.get_rank(group=groups.edp_group)
+
+
+def _find_layout(me: Peer, agreement, mode: str, phase: str) -> tuple[list[Peer], StreamLayout | None]:
+    """Every rank's Peer and the layout, when some rank streams; ([], None) otherwise. Through the store, no
+    collective: when every rank can read (and nobody asks to stream), one store round trip is all."""
+    values = agreement.gather(phase, asdict(me), needed=not me.readable or mode == "stream")
+    if values is None:
+        return [], None
+    peers = [Peer(**v) for v in values]
+    layout = decide(peers, mode)
+    return peers, layout if layout.streaming else None
+
+
+def find_state_dict_holders(state_dict: dict, agreement, mode: str, chunk_bytes: int, expert_parallel):
+    """`state_dict=`: ranks whose state dict holds the values copy from it; ranks that pass meta tensors (transformers'
+    own ZeRO-3 path lets every rank but the first do so, to hold it once) receive their partitions' bytes from a rank
+    that holds them. Returns a StreamContext, or None when every rank copies from its own."""
+    import torch.distributed as dist
+
+    _, values = state_dict_fingerprint(state_dict)
+    me = Peer(dist.get_rank(), node_id(), values is not None, "its state_dict holds meta tensors" if values is None
+              else "", *_expert_ranks(expert_parallel), copy=values or "")
+    peers, layout = _find_layout(me, agreement, mode, "find the ranks that hold the state_dict's values")
+    if layout is None:
+        return None
+    holders = [p for p in peers if p.readable]  # the receivers get the values of one of them: all must agree
+    for p in holders[1:]:
+        if p.copy != holders[0].copy:
+            raise CheckpointError(f"ranks {holders[0].rank} and {p.rank} are not loading the same checkpoint: "
+                                  f"{STATE_DICT_VALUES} differs ({holders[0].copy} on rank {holders[0].rank}, "
+                                  f"{p.copy} on rank {p.rank}); give every rank the same copy")
+    summary = ", ".join(f"rank {r} <- rank {src}" for r, src in sorted(layout.source_of.items()))
+    if me.rank == 0:
+        from . import log
+
+        log.info("streaming the state_dict's bytes (load_from=%r): %s", mode, summary)
+    return StreamContext(layout, None, chunk_bytes)
+
+
 def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
     """Which ranks can read the checkpoint; the others get the small files and write a stub folder for transformers.
     Returns (StreamContext or None, the path and kwargs this rank loads with)."""
@@ -217,19 +265,9 @@ def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
 
     folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"),
                                              kwargs.get("variant"), kwargs.get("use_safetensors"))
-    ep_rank, edp_rank = 0, 0
-    if expert_parallel is not None:
-        groups = expert_parallel[1]
-        ep_rank, edp_rank = groups.ep_rank, dist.get_rank(group=groups.edp_group)
-    me = Peer(dist.get_rank(), node_id(), folder is not None, reason, ep_rank, edp_rank)
-    # through the store, no collective: when every rank can read (and nobody asks to stream), that is all
-    values = agreement.gather("find the ranks that can read the checkpoint", asdict(me),
-                              needed=not me.readable or mode == "stream")
-    if values is None:
-        return None, path, kwargs
-    peers = [Peer(**v) for v in values]
-    layout = decide(peers, mode)
-    if not layout.streaming:
+    me = Peer(dist.get_rank(), node_id(), folder is not None, reason, *_expert_ranks(expert_parallel))
+    peers, layout = _find_layout(me, agreement, mode, "find the ranks that can read the checkpoint")
+    if layout is None:
         return None, path, kwargs
     bundle = None
     if not all(p.readable for p in peers):

@@ -21,7 +21,8 @@ import torch
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import Agreement
-from .checkpoint import STATE_DICT, check_files, check_weight_map, checkpoint_from_state_dict, open_checkpoint
+from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
+                         open_checkpoint)
 from .errors import CheckpointError, ConfigError, ConversionMismatchError
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
@@ -87,8 +88,8 @@ class Zero3Load:
     def _load(self, model, state_dict, checkpoint_files, load_config):
         self._refuse_kept_quantized(load_config.hf_quantizer)
         with self.report.phase("plan"):
-            checkpoint = (checkpoint_from_state_dict(state_dict) if state_dict is not None
-                          else self._open_checkpoint(checkpoint_files, load_config))
+            checkpoint = (checkpoint_from_state_dict(state_dict, streamed=self.stream is not None)
+                          if state_dict is not None else self._open_checkpoint(checkpoint_files, load_config))
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
             self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint))
         with self.report.phase("plan"):
@@ -308,7 +309,7 @@ def checkpoint_identity(model, load_config, checkpoint) -> dict:
     digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
     return {"config.json": digest(config), "the list of files": digest(sorted(checkpoint.fingerprints)),
             "the index": digest(weight_map) if weight_map else "none",
-            **{(name if name == STATE_DICT else f"file {name}"): value
+            **{(name if name in (STATE_DICT, STATE_DICT_VALUES) else f"file {name}"): value
                for name, value in sorted(checkpoint.fingerprints.items())}}
 
 

@@ -180,8 +180,8 @@ def quantization_config(spec: dict):
 
 def state_dict_call(case: dict, model_class, kwargs: dict):
     """`case["state_dict"]`: {"layout": "checkpoint" | "model" (`checkpoints.state_dict_of`), "drop": [keys],
-    "differs_on_rank": r (one tensor + 1 there), "meta_on_rank": r (meta tensors there), "only_rank": r (the others
-    pass none)}; returns the concrete model class (transformers' Auto classes need a folder) and the kwargs."""
+    "differs_on_rank": r (one tensor + 1 there), "meta_on_ranks": [r, ...] (meta tensors there), "only_rank": r (the
+    others pass none)}; returns the concrete model class (transformers' Auto classes need a folder) and the kwargs."""
     from transformers import AutoConfig
 
     from tests.checkpoints import state_dict_of
@@ -195,7 +195,7 @@ def state_dict_call(case: dict, model_class, kwargs: dict):
     if spec.get("differs_on_rank") == rank:
         key = sorted(state)[-1]
         state[key] = state[key] + 1
-    if spec.get("meta_on_rank") == rank:
+    if rank in spec.get("meta_on_ranks", []):
         state = {k: v.to("meta") for k, v in state.items()}
     if spec.get("only_rank", rank) != rank:
         state = None

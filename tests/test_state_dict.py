@@ -4,9 +4,10 @@ from the state dict it holds, through the same plan as a checkpoint on disk.
 At 3 ranks (sizes it does not divide): the gathered model equals, bit for bit and in dtype, the plain single-process
 load of the same state dict, for a state dict in the checkpoint's layout (per-expert keys the conversion merges) and in
 the model's own (`state_dict()`: merged experts, tied weights under both names), with a key missing; with expert
-parallelism each rank holds the experts the folder gives it; every family of the sweep (tests/families.py) loads from a
-state dict like the plain load; ranks that pass different state dicts, meta tensors or no state dict at all fail with
-the same clear error on every rank.
+parallelism each rank holds the experts the folder gives it; with the values on rank 0 only (meta tensors on the others,
+as transformers' own ZeRO-3 path allows) the others receive their partitions' bytes from rank 0; every family of the
+sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass different values, meta tensors
+only, or no state dict at all fail with the same clear error on every rank.
 """
 
 from __future__ import annotations
@@ -24,17 +25,24 @@ from tests.test_expert_parallel import checkpoint as ep_checkpoint
 from tests.test_expert_parallel import ep_ds_config
 
 CASES = {
-    # name: (family, layout, dropped keys)
-    "moe_checkpoint_layout": ("qwen3_moe", "checkpoint", []),
-    "moe_model_layout_missing_key": ("qwen3_moe", "model", ["model.layers.1.mlp.experts.down_proj"]),
-    "tied_model_layout": ("llama_tied", "model", []),
+    # name: (family, layout, dropped keys, meta on ranks)
+    "moe_checkpoint_layout": ("qwen3_moe", "checkpoint", [], []),
+    "moe_model_layout_missing_key": ("qwen3_moe", "model", ["model.layers.1.mlp.experts.down_proj"], []),
+    "tied_model_layout": ("llama_tied", "model", [], []),
+    # as transformers' own ZeRO-3 path allows: the values on rank 0 only, meta tensors elsewhere (streamed from rank 0)
+    "values_on_rank_0_only": ("qwen3_moe", "checkpoint", [], [1, 2]),
 }
 REFUSED = {
-    # name: (state dict spec, every rank's error: type and what it says)
-    "differs_on_rank_2": ({"differs_on_rank": 2}, "CheckpointError",
-                          "are not loading the same checkpoint: state_dict differs"),
-    "meta_on_rank_1": ({"meta_on_rank": 1}, "CheckpointError", "is on the meta device"),
-    "only_rank_0": ({"only_rank": 0}, "ConfigError", "were not called with the same arguments: state_dict= given differs"),
+    # name: (state dict spec, load kwargs, every rank's error: type and what it says)
+    "differs_on_rank_2": ({"differs_on_rank": 2}, {}, "CheckpointError",
+                          "are not loading the same checkpoint: state_dict (values) differs"),
+    "differs_on_rank_2_meta_on_rank_1": ({"differs_on_rank": 2, "meta_on_ranks": [1]}, {}, "CheckpointError",
+                                         "are not loading the same checkpoint: state_dict (values) differs"),
+    "meta_on_every_rank": ({"meta_on_ranks": [0, 1, 2]}, {}, "CheckpointError", "no rank holds the values"),
+    "meta_on_rank_1_read": ({"meta_on_ranks": [1]}, {"load_from": "read"}, "CheckpointError",
+                            "load_from='read', but ranks 1 cannot read the checkpoint (its state_dict holds meta tensors)"),
+    "only_rank_0": ({"only_rank": 0}, {}, "ConfigError",
+                    "were not called with the same arguments: state_dict= given differs"),
 }
 
 
@@ -46,11 +54,12 @@ def paths(workdir):
 @pytest.fixture(scope="module")
 def dumps(paths, workdir):
     cases = [{"name": name, "path": paths[family], "dtype": "float32", "seed": 7,
-              "state_dict": {"layout": layout, "drop": drop}, "kwargs": {"output_loading_info": True},
-              "out": os.path.join(workdir, f"state_dict_{name}.pt")}
-             for name, (family, layout, drop) in CASES.items()]
+              "state_dict": {"layout": layout, "drop": drop, "meta_on_ranks": meta},
+              "kwargs": {"output_loading_info": True}, "out": os.path.join(workdir, f"state_dict_{name}.pt")}
+             for name, (family, layout, drop, meta) in CASES.items()]
     cases += [{"name": name, "path": paths["llama_tied"], "dtype": "float32", "state_dict": {"layout": "checkpoint", **spec},
-               "out": os.path.join(workdir, f"state_dict_{name}.pt")} for name, (spec, _, _) in REFUSED.items()]
+               "kwargs": kwargs, "out": os.path.join(workdir, f"state_dict_{name}.pt")}
+              for name, (spec, kwargs, _, _) in REFUSED.items()]
     ep = {"path": ep_checkpoint(workdir, "qwen3_moe"), "dtype": "bfloat16", "ds_config": ep_ds_config(3),
           "all_ranks_state": True}  # expert parallelism over the 3 ranks: from the folder, and from a state dict
     cases += [{**ep, "name": "ep_folder", "out": os.path.join(workdir, "state_dict_ep_folder.pt")},
@@ -78,7 +87,7 @@ def plain(path: str, layout: str, drop: tuple = ()) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_state_dict_loads_equal_to_the_plain_load_of_it(dumps, paths, name):
-    family, layout, drop = CASES[name]
+    family, layout, drop, meta = CASES[name]
     got = dumps[name]["rank0"]
     assert "error" not in got, got.get("error", {}).get("traceback")
     want, info = plain(paths[family], layout, tuple(drop))
@@ -88,13 +97,21 @@ def test_a_state_dict_loads_equal_to_the_plain_load_of_it(dumps, paths, name):
         assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{name} {key}"
     assert got["loading_info"] == info
     assert sorted(info["missing_keys"]) == sorted(drop)
-    for rank in dumps[name]["ranks"]:  # each rank copied about its third, from its own state dict
-        assert 0 < rank["report"]["bytes_read"] < 0.5 * sum(t.numel() * t.element_size() for t in want.values())
+    total = sum(t.numel() * t.element_size() for t in want.values())
+    for rank in dumps[name]["ranks"]:  # each rank copied about its third, from its own state dict or rank 0's
+        report = rank["report"]
+        if rank["rank"] in meta:
+            assert report["bytes_read"] == 0 and report["stream"]["receives_from"] == 0, report
+            assert 0 < report["stream"]["bytes_received"] < 0.5 * total
+        elif meta:  # rank 0 copied its own third and sent the others theirs
+            assert report["stream"]["streams_to"] == meta and report["bytes_read"] <= total, report
+        else:
+            assert 0 < report["bytes_read"] < 0.5 * total
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_state_dicts_that_ranks_do_not_share_are_refused_on_every_rank(dumps, name):
-    _, error_type, message = REFUSED[name]
+    _, _, error_type, message = REFUSED[name]
     for rank in dumps[name]["ranks"]:
         assert "error" in rank, f"rank {rank['rank']} loaded"
         assert rank["error"]["type"] == error_type and message in rank["error"]["message"], rank["error"]
