@@ -160,20 +160,52 @@ def ds_config(ep_size: int) -> dict:
 EXTRA_KWARGS: dict = {}  # e.g. quantization_config for a quantized checkpoint (--dequantize)
 
 
-def load_ours(path: str, config: dict, **kwargs):
-    from transformers import AutoModelForCausalLM
+STATE_DICT: dict = {}  # --state-dict: the checkpoint's tensors, held before the window (meta where not held)
 
+
+def state_dict_of(path: str, holds: bool) -> dict:
+    """The checkpoint's tensors (`load_file` of every shard), or meta tensors of their shapes and dtypes."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from hf_zero3_loader.checkpoint import SAFETENSORS_DTYPES
+
+    state = {}
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        if holds:
+            state.update(load_file(os.path.join(path, name)))
+            continue
+        with safe_open(os.path.join(path, name), "pt") as f:
+            for key in f.keys():
+                info = f.get_slice(key)
+                state[key] = torch.empty(info.get_shape(), dtype=SAFETENSORS_DTYPES[info.get_dtype()], device="meta")
+    return state
+
+
+def _call(path: str):
+    """(model class, path, kwargs): the Auto class and the folder, or with --state-dict the concrete class (transformers'
+    Auto classes need a folder), no path, and the config and state dict."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not STATE_DICT:
+        return AutoModelForCausalLM, path, {}
+    config = AutoConfig.from_pretrained(path)
+    return AutoModelForCausalLM._model_mapping[type(config)], None, {"config": config, "state_dict": STATE_DICT}
+
+
+def load_ours(path: str, config: dict, **kwargs):
     import hf_zero3_loader
 
     if os.environ.get("HF_ZERO3_BENCH_READ_THREADS"):  # bench_load.py --read-threads
         kwargs.setdefault("read_threads", int(os.environ["HF_ZERO3_BENCH_READ_THREADS"]))
-    return hf_zero3_loader.from_pretrained(AutoModelForCausalLM, path, ds_config=config, **EXTRA_KWARGS, **kwargs)
+    model_class, path, call_kwargs = _call(path)
+    return hf_zero3_loader.from_pretrained(model_class, path, ds_config=config, **EXTRA_KWARGS, **call_kwargs,
+                                           **kwargs)
 
 
 def load_upstream(path: str, config: dict):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **EXTRA_KWARGS)
+    model_class, path, call_kwargs = _call(path)
+    return model_class.from_pretrained(path, dtype=torch.bfloat16, **EXTRA_KWARGS, **call_kwargs)
 
 
 def load_plain(path: str):
@@ -318,6 +350,8 @@ def main() -> None:
                     help="floor: reader threads (default: what the loader uses, the cores per local rank, at most 4)")
     ap.add_argument("--ep-size", type=int, default=0)
     ap.add_argument("--cold", action="store_true", help="floor: evict the files before each of its timed passes")
+    ap.add_argument("--state-dict", choices=("every", "rank0"),
+                    help="load from a state dict held before the window: on every rank, or on rank 0 (meta elsewhere)")
     ap.add_argument("--dequantize", action="store_true",
                     help="a quantized checkpoint: both variants pass FineGrainedFP8Config(dequantize=True)")
     args = ap.parse_args()
@@ -365,6 +399,8 @@ def main() -> None:
         with open(args.spans_in) as f:
             spans = json.load(f)[str(rank)]
 
+    if args.state_dict:
+        STATE_DICT.update(state_dict_of(args.path, holds=args.state_dict == "every" or rank == 0))
     result: dict = {"variant": args.variant, "rank": rank, "world_size": world}
     dist.barrier()
     counter, st_bytes = CollectiveCounter(), SafetensorsBytes()
