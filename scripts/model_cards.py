@@ -184,7 +184,9 @@ def render() -> dict[str, str]:
               f"{', '.join(map(str, families.SWEEP_WORLD_SIZES))}; saved without a gather at world size 3 into "
               "byte for byte the files transformers' own `save_pretrained` writes; and, with a layer and the head "
               "missing from the checkpoint, initialised at world size 3 in 4 KiB chunks to the plain load's values "
-              "(`tests/test_families.py`):", "",
+              "(`tests/test_families.py`); and loaded at world size 3 from a state dict (`state_dict=`, half in the "
+              "checkpoint's layout, half the model's own `state_dict()`) bit-exact like the plain load of it "
+              "(`tests/test_state_dict.py`):", "",
               ", ".join(f"`{t}`" for t in families.SWEEP), "",
               "The families among these whose own config ties the output embedding to the input one load tied at world "
               "size 3 too, and save: the tied names are one tensor, as in the plain load.", ""]
