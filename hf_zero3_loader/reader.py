@@ -322,7 +322,8 @@ def read_stored(reader: FileReader, entry: TensorEntry, start: int, out: torch.T
     """Elements [start, start + out.numel()) of a stored tensor, bytes unchanged, into `out` (a contiguous tensor of
     the stored item size): from the file, or from the tensor of a pickled checkpoint."""
     if entry.tensor is None:
-        reader.read_into(entry.file, entry.data_start + start * entry.itemsize, out.view(torch.uint8) if out.numel() else out)
+        reader.read_into(entry.file, entry.data_start + start * entry.itemsize,
+                         out.view(torch.uint8) if out.numel() else out)
         return
     src = entry.tensor if entry.tensor.dtype == out.dtype else entry.tensor.view(out.dtype)
     _copy_flat_range(src, start, out)

@@ -218,14 +218,14 @@ def _expert_ranks(expert_parallel) -> tuple[int, int]:
 
 
 def _find_layout(me: Peer, agreement, mode: str, phase: str) -> tuple[list[Peer], StreamLayout | None]:
-    """Every rank's Peer and the layout, when some rank streams; ([], None) otherwise. Through the store, no
+    """Every rank's Peer and the layout when some rank streams; ([], None) when none does. Through the store, no
     collective: when every rank can read (and nobody asks to stream), one store round trip is all."""
     values = agreement.gather(phase, asdict(me), needed=not me.readable or mode == "stream")
     if values is None:
         return [], None
     peers = [Peer(**v) for v in values]
     layout = decide(peers, mode)
-    return peers, layout if layout.streaming else None
+    return (peers, layout) if layout.streaming else ([], None)
 
 
 def find_state_dict_holders(state_dict: dict, agreement, mode: str, chunk_bytes: int, expert_parallel):

@@ -183,8 +183,8 @@ def state_dict_of(path: str, holds: bool) -> dict:
 
 
 def _call(path: str):
-    """(model class, path, kwargs): the Auto class and the folder, or with --state-dict the concrete class (transformers'
-    Auto classes need a folder), no path, and the config and state dict."""
+    """(model class, path, kwargs): the Auto class and the folder, or with --state-dict the concrete class
+    (transformers' Auto classes need a folder), no path, and the config and state dict."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not STATE_DICT:

@@ -258,9 +258,9 @@ def main() -> None:
                     help="skip transformers' path (ours against the floor only, e.g. to compare two versions of ours)")
     ap.add_argument("--read-threads", type=int, help="read_threads for ours (default: the loader's own default)")
     ap.add_argument("--state-dict", choices=("every", "rank0"),
-                    help="ours and upstream load `from_pretrained(None, config=..., state_dict=...)` from the checkpoint's "
-                         "tensors held in memory before the window: on every rank, or on rank 0 only (meta tensors on "
-                         "the others, which ours streams from rank 0 and upstream broadcasts)")
+                    help="ours and upstream load `from_pretrained(None, config=..., state_dict=...)` from the "
+                         "checkpoint's tensors held in memory before the window: on every rank, or on rank 0 only "
+                         "(meta tensors on the others, which ours streams from rank 0 and upstream broadcasts)")
     ap.add_argument("--prefault-ab", action="store_true",
                     help="also run ours with HF_ZERO3_LOADER_PREFAULT=0 (reads fault pages in) and the floor with the "
                          "loader's populate call, to measure what populating the destinations buys")

@@ -181,7 +181,8 @@ def test_pickled_tensors_are_read_from_their_own_bytes_when_they_share_a_storage
 
     storage = torch.arange(40, dtype=torch.float32)
     tensor = storage[16:].view(4, 6)  # storage offset 16
-    entry = TensorEntry(key="w", file="pytorch_model.bin", dtype=tensor.dtype, shape=(4, 6), data_start=0, tensor=tensor)
+    entry = TensorEntry(key="w", file="pytorch_model.bin", dtype=tensor.dtype, shape=(4, 6), data_start=0,
+                        tensor=tensor)
     reader = FileReader(ReadStats())
     out = torch.empty(6)
     execute_read(reader, ReadItem("pytorch_model.bin", "w", tensor.dtype, 7, 2, 3, 6, 0), entry, out)

@@ -40,7 +40,8 @@ REFUSED = {
                                          "are not loading the same checkpoint: state_dict (values) differs"),
     "meta_on_every_rank": ({"meta_on_ranks": [0, 1, 2]}, {}, "CheckpointError", "no rank holds the values"),
     "meta_on_rank_1_read": ({"meta_on_ranks": [1]}, {"load_from": "read"}, "CheckpointError",
-                            "load_from='read', but ranks 1 cannot read the checkpoint (its state_dict holds meta tensors)"),
+                            "load_from='read', but ranks 1 cannot read the checkpoint (its state_dict holds meta "
+                            "tensors)"),
     "only_rank_0": ({"only_rank": 0}, {}, "ConfigError",
                     "were not called with the same arguments: state_dict= given differs"),
 }
@@ -57,9 +58,9 @@ def dumps(paths, workdir):
               "state_dict": {"layout": layout, "drop": drop, "meta_on_ranks": meta},
               "kwargs": {"output_loading_info": True}, "out": os.path.join(workdir, f"state_dict_{name}.pt")}
              for name, (family, layout, drop, meta) in CASES.items()]
-    cases += [{"name": name, "path": paths["llama_tied"], "dtype": "float32", "state_dict": {"layout": "checkpoint", **spec},
-               "kwargs": kwargs, "out": os.path.join(workdir, f"state_dict_{name}.pt")}
-              for name, (spec, kwargs, _, _) in REFUSED.items()]
+    cases += [{"name": name, "path": paths["llama_tied"], "dtype": "float32",
+               "state_dict": {"layout": "checkpoint", **spec}, "kwargs": kwargs,
+               "out": os.path.join(workdir, f"state_dict_{name}.pt")} for name, (spec, kwargs, _, _) in REFUSED.items()]
     ep = {"path": ep_checkpoint(workdir, "qwen3_moe"), "dtype": "bfloat16", "ds_config": ep_ds_config(3),
           "all_ranks_state": True}  # expert parallelism over the 3 ranks: from the folder, and from a state dict
     cases += [{**ep, "name": "ep_folder", "out": os.path.join(workdir, "state_dict_ep_folder.pt")},
