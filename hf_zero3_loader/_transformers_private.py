@@ -12,6 +12,8 @@
   the conversions, dtypes, shard split, index, config) and we write the tensor bytes (`saving.py`); the skeleton's
   `should_save_on_this_rank` (transformers' `distributed/mixin.py`) says yes on every rank.
 - `core_model_loading.revert_weight_conversion`'s choice of conversions (`conversions_for_save`).
+- `GgufHfQuantizer.supported`: False when transformers' legacy GGUF loader handles the architecture, which hands
+  `_load_pretrained_model` every tensor already dequantized (`state_dict_is_dequantized`).
 """
 
 from __future__ import annotations
@@ -182,6 +184,14 @@ def loading_conversion_ops() -> set[type]:
         if dequantize is not None:
             ops.add(dequantize)
     return ops
+
+
+def state_dict_is_dequantized(quantizer) -> bool:
+    """A GGUF file of an architecture the legacy loader handles (all but a few in 5.23): its state dict holds every
+    tensor dequantized to the load's dtype, though the quantization config does not say `dequantize`."""
+    from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
+
+    return isinstance(quantizer, GgufHfQuantizer) and not quantizer.supported
 
 
 def meta_storage_id(tensor):

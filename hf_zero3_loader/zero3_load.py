@@ -185,10 +185,12 @@ class Zero3Load:
     def _refuse_kept_quantized(quantizer) -> None:
         """Quantized checkpoints load dequantized (each rank dequantizes its own partition, `dequantize.py`); weights
         kept quantized cannot be ZeRO-3 partitions that DeepSpeed trains."""
-        if quantizer is None or getattr(quantizer.quantization_config, "dequantize", False):
+        if (quantizer is None or getattr(quantizer.quantization_config, "dequantize", False)
+                or hf_private.state_dict_is_dequantized(quantizer)):
             return
         method = getattr(quantizer.quantization_config, "quant_method", "?")
-        hint = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)"}.get(
+        hint = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)",
+                "gguf": "GgufConfig(dequantize=True)"}.get(
             str(getattr(method, "value", method)), "the quantization config with dequantize=True, if it has one")
         raise ConfigError(f"{type(quantizer).__name__}: keeping the weights quantized is not supported under DeepSpeed "
                           f"ZeRO-3 (it partitions and trains dequantized weights); pass quantization_config={hint} to "

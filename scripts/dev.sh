@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
   || pip install -q torch==2.13.0
 # the package and the test extra (an install without `[test]` lacks pytest)
-{ pip show -q hf_zero3_loader >/dev/null 2>&1 && python -c "import pytest, pytest_timeout" 2>/dev/null; } \
+{ pip show -q hf_zero3_loader >/dev/null 2>&1 && python -c "import pytest, pytest_timeout, gguf" 2>/dev/null; } \
   || pip install -q -e ".[test]"
 command="${1:-test}"
 shift || true

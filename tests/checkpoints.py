@@ -322,3 +322,56 @@ def state_dict_of(path: str, layout: str, model_class) -> dict:
     for name in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         state.update(load_file(name))
     return state
+
+
+def gguf_checkpoint(folder: str, name: str, quantized: bool, seed: int = 0) -> str:
+    """A small Llama in a GGUF file (`gguf.GGUFWriter`, as llama.cpp writes one), random values; `quantized`: its
+    linear weights in Q8_0 blocks, else all float32. transformers 5.23 loads Llama GGUF through its legacy loader,
+    which hands the load a state dict of dequantized tensors. Returns the file's name in `folder`."""
+    import gguf
+    import numpy as np
+
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        return name
+    os.makedirs(folder, exist_ok=True)
+    vocab, hidden, ffn, layers, heads, kv_heads = 96, 64, 96, 2, 4, 2
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(hidden // heads)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([1] * vocab)
+    rng = np.random.default_rng(seed)
+
+    def tensor(key: str, *shape: int, linear: bool = False):
+        values = rng.standard_normal(shape).astype(np.float32)
+        if quantized and linear:  # Q8_0: blocks of 32 along the last dimension
+            writer.add_tensor(key, gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(key, values)
+
+    kv = hidden // heads * kv_heads
+    tensor("token_embd.weight", vocab, hidden)
+    tensor("output_norm.weight", hidden)
+    tensor("output.weight", vocab, hidden, linear=True)
+    for i in range(layers):
+        tensor(f"blk.{i}.attn_norm.weight", hidden)
+        tensor(f"blk.{i}.ffn_norm.weight", hidden)
+        for key, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                ("attn_output", hidden, hidden), ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden),
+                                ("ffn_down", hidden, ffn)):
+            tensor(f"blk.{i}.{key}.weight", rows, cols, linear=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return name

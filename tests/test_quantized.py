@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-from tests.checkpoints import (ernie4_5_vl_moe_config, fp8_checkpoint, gpt_oss_config, make_checkpoint,
-                               mxfp4_checkpoint, pickled_checkpoint)
+from tests.checkpoints import (ernie4_5_vl_moe_config, fp8_checkpoint, gguf_checkpoint, gpt_oss_config,
+                               make_checkpoint, mxfp4_checkpoint, pickled_checkpoint)
 from tests.conftest import run_torchrun
 from tests.dist_worker import quantization_config
 
@@ -126,6 +126,29 @@ def test_each_rank_reads_its_share_of_the_quantized_bytes_and_the_scales_it_touc
         assert max(read) <= total / world_size + slack, (case["name"], read, total)
         for r in dump["ranks"]:  # no tensor of a whole parameter is allocated (dequantizing works in chunks)
             assert r["largest_allocation_numel"] <= r["report"]["largest_partition_numel"] * 2 + (1 << 20), r
+
+
+def test_gguf_files_load_like_the_plain_load(workdir):
+    """A Llama GGUF, float32 and with Q8_0 linear weights, at 3 ranks: transformers' legacy GGUF loader (every
+    architecture but lfm2 and Qwen3.5 in 5.23) dequantizes the file into a state dict on every rank, and each rank
+    copies its partitions from it, equal to the plain load bit for bit and in dtype."""
+    from transformers import AutoModelForCausalLM
+
+    folder = os.path.join(workdir, "gguf")
+    files = [gguf_checkpoint(folder, "llama_f32.gguf", quantized=False),
+             gguf_checkpoint(folder, "llama_q8_0.gguf", quantized=True)]
+    cases = [{"name": name, "path": folder, "dtype": "float32", "kwargs": {"gguf_file": name},
+              "out": os.path.join(workdir, f"gguf_{name}.pt")} for name in files]
+    for case, dump in zip(cases, run_torchrun(3, cases, workdir)):
+        got = dump["rank0"]
+        assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
+        plain = AutoModelForCausalLM.from_pretrained(folder, gguf_file=case["name"], dtype=torch.float32)
+        want = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
+                                            *plain.named_buffers(remove_duplicate=False)]}
+        assert set(got["state"]) == set(want), case["name"]
+        for name, expected in want.items():
+            actual = got["state"][name]
+            assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{case['name']} {name}"
 
 
 def test_plan_shows_the_quantized_bytes(ckpts):
