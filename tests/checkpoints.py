@@ -290,17 +290,12 @@ def mxfp4_checkpoint(src: str, dst: str, seed: int = 0) -> str:
 
 def pickled_checkpoint(src: str, dst: str) -> str:
     """The same checkpoint as one pickled `pytorch_model.bin` (torch.save of every tensor), configs copied."""
-    import glob
     import shutil
-
-    from safetensors.torch import load_file
 
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     os.makedirs(dst)
-    state = {}
-    for path in sorted(glob.glob(os.path.join(src, "*.safetensors"))):
-        state.update(load_file(path))
+    state = state_dict_of(src, "checkpoint", None)
     for name in os.listdir(src):
         if name.endswith(".json") and not name.endswith(".index.json"):
             shutil.copy(os.path.join(src, name), dst)
