@@ -538,7 +538,7 @@ def weight_file_names(variant: str | None = None, use_safetensors: bool | None =
 
 
 def find_index(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
-               use_safetensors: bool | None = None) -> str | None:
+               use_safetensors: bool | None = None, cache_dir: str | None = None) -> str | None:
     """The checkpoint's index file, if any, in a local folder or the hub cache (nothing is downloaded)."""
     for name in weight_file_names(variant, use_safetensors)[0]:
         local = os.path.join(path, subfolder, name)
@@ -549,7 +549,7 @@ def find_index(path: str, subfolder: str = "", revision: str | None = None, vari
                 from huggingface_hub import try_to_load_from_cache
 
                 cached = try_to_load_from_cache(path, os.path.join(subfolder, name) if subfolder else name,
-                                                revision=revision)
+                                                revision=revision, cache_dir=cache_dir)
             except Exception:
                 cached = None
             if isinstance(cached, str):
@@ -558,18 +558,22 @@ def find_index(path: str, subfolder: str = "", revision: str | None = None, vari
 
 
 def local_checkpoint(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
-                     use_safetensors: bool | None = None) -> tuple[str | None, list[str], str]:
+                     use_safetensors: bool | None = None,
+                     cache_dir: str | None = None) -> tuple[str | None, list[str], str]:
     """(folder, weight files, "") when this rank can read the whole checkpoint here, else (None, [], why not). The
-    files are those transformers will pick (`variant`, `use_safetensors`)."""
+    files are those transformers will pick (`variant`, `use_safetensors`); a repo id is looked up in the hub cache
+    transformers uses (`cache_dir`, else the default)."""
     if os.path.isdir(path):
         folder = os.path.join(path, subfolder)
     else:
         try:
             from huggingface_hub import snapshot_download
 
-            folder = os.path.join(snapshot_download(path, revision=revision, local_files_only=True), subfolder)
+            folder = os.path.join(snapshot_download(path, revision=revision, cache_dir=cache_dir,
+                                                            local_files_only=True), subfolder)
         except Exception:
-            return None, [], f"{path} is neither a folder here nor in the local hub cache"
+            where = f"the hub cache at {cache_dir}" if cache_dir else "the local hub cache"
+            return None, [], f"{path} is neither a folder here nor in {where}"
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return None, [], f"no config.json in {folder}"
     files = []

@@ -97,6 +97,7 @@ def add_location_arguments(parser) -> None:
     group = parser.add_argument_group("checkpoint location (as from_pretrained's keywords)")
     group.add_argument("--subfolder", default=None, help="the model's folder inside CHECKPOINT")
     group.add_argument("--revision", default=None, help="hub revision (a repo id in the local hub cache)")
+    group.add_argument("--cache-dir", default=None, help="the hub cache holding a repo id (from_pretrained's cache_dir)")
     group.add_argument("--variant", default=None, help="weight files of a variant, e.g. model.fp16.safetensors")
     group.add_argument("--no-safetensors", dest="use_safetensors", action="store_const", const=False, default=None,
                        help="prefer pickled weights (use_safetensors=False)")
@@ -104,7 +105,7 @@ def add_location_arguments(parser) -> None:
 
 
 def _load_kwargs(args) -> dict:
-    kwargs = {k: getattr(args, k) for k in ("subfolder", "revision", "variant", "use_safetensors")
+    kwargs = {k: getattr(args, k) for k in ("subfolder", "revision", "cache_dir", "variant", "use_safetensors")
               if getattr(args, k) is not None}
     if args.trust_remote_code:
         kwargs["trust_remote_code"] = True

@@ -226,7 +226,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         from_state_dict = kwargs.get("state_dict") is not None  # every rank copies its partitions from its own
         index = None if from_state_dict else find_index(
             str(path), kwargs.get("subfolder") or "", kwargs.get("revision"), kwargs.get("variant"),
-            kwargs.get("use_safetensors"))
+            kwargs.get("use_safetensors"), kwargs.get("cache_dir"))
         if index is not None:  # transformers would fail on a malformed index with a bare KeyError/TypeError
             check_index(index)
         if load_from not in MODES:

@@ -264,7 +264,7 @@ def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
     from . import log
 
     folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"),
-                                             kwargs.get("variant"), kwargs.get("use_safetensors"))
+                                             kwargs.get("variant"), kwargs.get("use_safetensors"), kwargs.get("cache_dir"))
     me = Peer(dist.get_rank(), node_id(), folder is not None, reason, *_expert_ranks(expert_parallel))
     peers, layout = _find_layout(me, agreement, mode, "find the ranks that can read the checkpoint")
     if layout is None:
@@ -279,7 +279,7 @@ def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
         if not me.readable:
             bundle = box[0]
             path = write_stub_folder(bundle, tempfile.mkdtemp(prefix="hf_zero3_loader_stub_"))
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision")}
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("subfolder", "revision", "cache_dir")}
     summary = ", ".join(f"rank {r} <- rank {src}" for r, src in sorted(layout.source_of.items()))
     if me.rank == 0:
         log.info("streaming checkpoint bytes (load_from=%r): %s", mode, summary)

@@ -224,7 +224,7 @@ def run_case(case: dict) -> dict:
         import resource
 
         resource.setrlimit(resource.RLIMIT_NOFILE, (case["max_open_files"], resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-    kwargs = dict(case.get("kwargs", {}))
+    kwargs = {**case.get("kwargs", {}), **case.get("kwargs_by_rank", {}).get(rank, {})}
     if isinstance(kwargs.get("distributed_config"), dict):  # JSON cases carry transformers' DistributedConfig as a dict
         kwargs["distributed_config"] = transformers.DistributedConfig(**kwargs["distributed_config"])
     if isinstance(kwargs.get("quantization_config"), dict):  # {"quant_method": "fp8"|"mxfp4", "dequantize": True}

@@ -110,8 +110,8 @@ def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_t
     assert len(listed) == 4 and all(TALKER_EXPERTS.match(name) for name in listed), listed
 
 
-def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir):
-    """--subfolder, --variant, --no-safetensors, --trust-remote-code: the files and the code `from_pretrained(...)`
+def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir, monkeypatch):
+    """--subfolder, --cache-dir, --variant, --no-safetensors, --trust-remote-code: the files and the code `from_pretrained(...)`
     with the same keywords would use (a hub repo with its own modeling code, a model in a subfolder)."""
     import shutil
 
@@ -134,6 +134,16 @@ def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir):
     inner = json.loads(_cli("plan", os.path.join(root, "lm"), "--world-size", "3", "--json").stdout)
     nested = json.loads(_cli("plan", root, "--subfolder", "lm", "--world-size", "3", "--json").stdout)
     assert nested["ranks"] == inner["ranks"]
+    cache = os.path.join(workdir, "cli_hub_cache")  # a repo id in a hub cache named by --cache-dir (cache_dir=)
+    snapshot = os.path.join(cache, "models--org--llama", "snapshots", "2" * 40)
+    if not os.path.exists(snapshot):
+        shutil.copytree(llama, snapshot)
+        os.makedirs(os.path.join(cache, "models--org--llama", "refs"))
+        with open(os.path.join(cache, "models--org--llama", "refs", "main"), "w") as f:
+            f.write("2" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cached = json.loads(_cli("plan", "org/llama", "--cache-dir", cache, "--world-size", "3", "--json").stdout)
+    assert cached["ranks"] == inner["ranks"]
 
     result = _cli("verify", custom, "--world-size", "2", "--dtype", "float32", "--trust-remote-code", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

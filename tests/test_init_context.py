@@ -107,7 +107,9 @@ def test_deepspeed_config_is_found_where_transformers_and_accelerate_put_it(tmp_
 
 
 def test_hub_id_from_the_local_cache(workdir, monkeypatch):
-    """A hub id already in the local cache resolves through transformers (offline), and loads equal to plain."""
+    """A hub id already in the local cache resolves through transformers (offline), and loads equal to plain; with
+    `cache_dir=` too, where a rank whose cache lacks it (a node's own local cache) receives its bytes from one that
+    has it instead of failing in transformers' offline download."""
     from transformers import AutoModelForCausalLM
 
     src = make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True)
@@ -120,11 +122,18 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
         shutil.copytree(src, snapshot)
     monkeypatch.setenv("HF_HUB_CACHE", cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    empty_cache = os.path.join(workdir, "hub_cache_empty")
+    os.makedirs(empty_cache, exist_ok=True)
     case = {"name": "hub", "path": "local/tiny-qwen3-moe", "dtype": "float32", "out": os.path.join(workdir, "hub.pt")}
-    (dump,) = run_torchrun(2, [case], workdir)
-    got = dump["rank0"]
-    assert "error" not in got, got.get("error", {}).get("traceback")
+    cache_dir = {**case, "name": "cache_dir", "out": os.path.join(workdir, "hub_cache_dir.pt"),
+                 "kwargs_by_rank": {"0": {"cache_dir": cache}, "1": {"cache_dir": empty_cache}}}
+    dumps = run_torchrun(2, [case, cache_dir], workdir)
     plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    for name, p in plain.named_parameters():
-        assert torch.equal(got["state"][name], p.detach()), name
-    assert got["generation_config"] == plain.generation_config.to_dict()
+    for dump in dumps:
+        got = dump["rank0"]
+        assert "error" not in got, got.get("error", {}).get("traceback")
+        for name, p in plain.named_parameters():
+            assert torch.equal(got["state"][name], p.detach()), name
+        assert got["generation_config"] == plain.generation_config.to_dict()
+    receiver = dumps[1]["ranks"][1]["report"]
+    assert receiver["bytes_read"] == 0 and receiver["stream"]["bytes_received"] == receiver["bytes_to_read"] > 0

@@ -10,14 +10,14 @@ from .plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
 
 
 # `from_pretrained` keywords that say where the checkpoint is and which code builds it (what `plan` and `verify` accept)
-LOCATION_KWARGS = ("subfolder", "revision", "variant", "use_safetensors", "trust_remote_code")
+LOCATION_KWARGS = ("subfolder", "revision", "variant", "use_safetensors", "cache_dir", "trust_remote_code")
 
 
 def checkpoint_files(path: str, subfolder: str = "", revision: str | None = None, variant: str | None = None,
-                     use_safetensors: bool | None = None, **_) -> list[str]:
+                     use_safetensors: bool | None = None, cache_dir: str | None = None, **_) -> list[str]:
     """The weight files transformers' `from_pretrained(path, ...)` would load: a local folder or a repo in the local
     hub cache; the index's shards, else the single file; safetensors first (pickles with `use_safetensors=False`)."""
-    folder, files, why_not = local_checkpoint(path, subfolder or "", revision, variant, use_safetensors)
+    folder, files, why_not = local_checkpoint(path, subfolder or "", revision, variant, use_safetensors, cache_dir)
     if folder is None:
         raise FileNotFoundError(f"cannot plan {path}: {why_not}")
     return files
@@ -30,7 +30,8 @@ def meta_skeleton(path: str, model_class=None, dtype: torch.dtype | None = None,
 
     trust = bool(load_kwargs.get("trust_remote_code"))
     config = AutoConfig.from_pretrained(path, subfolder=load_kwargs.get("subfolder") or "",
-                                        revision=load_kwargs.get("revision"), trust_remote_code=trust)
+                                        revision=load_kwargs.get("revision"), cache_dir=load_kwargs.get("cache_dir"),
+                                        trust_remote_code=trust)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
