@@ -373,6 +373,11 @@ def _split(item: ReadItem, chunk_bytes: int):
             yield r, r + 1, c0, min(item.cols, c0 + step)
 
 
+def _largest_chunk(chunk_lists) -> int:
+    """The buffer a stream needs: its largest chunk (at most chunk_bytes; a small stream needs far less)."""
+    return max((_chunk_size(chunk) for chunks in chunk_lists for chunk in chunks), default=0)
+
+
 def _chunk_size(chunk: list[Piece]) -> int:
     return chunk[-1].offset + chunk[-1].nbytes
 
@@ -403,7 +408,8 @@ class Streamer:
         streams = {rank: dict(stream_chunks(plan, self.chunk_bytes)) for rank, plan in plans.items()}
         remaining = {rank: sum(len(c) for c in s.values()) for rank, s in streams.items()}
         files = sorted({name for s in streams.values() for name in s})
-        buffers = [self._buffer(self.chunk_bytes, "cpu") for _ in range(2)]
+        size = _largest_chunk(chunks for s in streams.values() for chunks in s.values())
+        buffers = [self._buffer(size, "cpu") for _ in range(2)]
         in_flight: list[list] = [[], []]  # per buffer: its sends (and the tensors they send, kept alive)
         turn = 0
         try:
@@ -437,9 +443,10 @@ class Streamer:
 
     def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor]) -> None:
         """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`)."""
-        buf = self._buffer(self.chunk_bytes)
+        stream = stream_chunks(plan, self.chunk_bytes)
+        buf = self._buffer(_largest_chunk(chunks for _, chunks in stream))
         status = torch.empty(2, dtype=torch.int64, device=self.device)
-        for _, chunks in stream_chunks(plan, self.chunk_bytes):
+        for _, chunks in stream:
             for chunk in chunks:
                 self._receive_chunk(buf, status, source, chunk, "streams this rank's checkpoint bytes")
                 for piece in chunk:
@@ -467,11 +474,12 @@ class Streamer:
         packing the next chunk while the previous one is on the wire."""
         import torch.distributed as dist
 
-        buffers = [self._buffer(self.chunk_bytes) for _ in range(2)]
+        stream = stream_chunks(plan, self.chunk_bytes)
+        buffers = [self._buffer(_largest_chunk(chunks for _, chunks in stream)) for _ in range(2)]
         in_flight: list[list] = [[], []]
         turn, between_chunks = 0, True
         try:
-            for _, chunks in stream_chunks(plan, self.chunk_bytes):
+            for _, chunks in stream:
                 for chunk in chunks:
                     for work in in_flight[turn][:2]:
                         work.wait()
@@ -501,10 +509,11 @@ class Streamer:
         """Receive each sending rank's plan's bytes and write them where its plan puts them in the files."""
         from .writer import execute_write
 
-        buf = self._buffer(self.chunk_bytes)
+        streams = {source: stream_chunks(plans[source], self.chunk_bytes) for source in plans}
+        buf = self._buffer(_largest_chunk(chunks for stream in streams.values() for _, chunks in stream))
         status = torch.empty(2, dtype=torch.int64, device=self.device)
         for source in sorted(plans):
-            for _, chunks in stream_chunks(plans[source], self.chunk_bytes):
+            for _, chunks in streams[source]:
                 for chunk in chunks:
                     size = self._receive_chunk(buf, status, source, chunk, "streams its partitions to this rank")
                     data = buf[:size].cpu()

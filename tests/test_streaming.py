@@ -212,9 +212,12 @@ def test_decide_who_reads_and_who_receives():
 
 def test_stream_chunks_cover_every_item_once_within_the_budget():
     from hf_zero3_loader.planner.inspect import plan_ranks
-    from hf_zero3_loader.streaming import stream_chunks
+    from hf_zero3_loader.streaming import _largest_chunk, stream_chunks
 
     from tests.checkpoints import make_checkpoint as make
+
+    def plan_items(plan):
+        return sum(len(t.reads) for t in plan.tensors.values() if t.status == "load")
 
     import tempfile
 
@@ -232,3 +235,10 @@ def test_stream_chunks_cover_every_item_once_within_the_budget():
                             covered[key] = covered.get(key, 0) + (piece.r1 - piece.r0) * (piece.c1 - piece.c0)
                 expected = {(t.name, i): i.numel for t in plan.tensors.values() if t.status == "load" for i in t.reads}
                 assert covered == expected
+                # the buffers are sized to the largest chunk: a stream smaller than the budget needs no more
+                stream = stream_chunks(plan, budget)
+                largest = _largest_chunk(chunks for _, chunks in stream)
+                assert largest == max(c[-1].offset + c[-1].nbytes for _, chunks in stream for c in chunks) <= budget
+                if budget == 1 << 20:  # every file's pieces fit one chunk: the buffer is one file's share, padded
+                    shares = [sum(p.nbytes for c in chunks for p in c) for _, chunks in stream]
+                    assert max(shares) <= largest < max(shares) + 8 * plan_items(plan) < budget
