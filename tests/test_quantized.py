@@ -21,7 +21,7 @@ from tests.dist_worker import quantization_config
 
 WORLD_SIZES = (1, 2, 3, 4)
 # format -> families loaded in that format here (read by scripts/model_cards.py)
-FORMATS = {"fp8": ("qwen3_moe", "llama"), "mxfp4": ("gpt_oss",)}
+FORMATS = {"fp8": ("qwen3_moe", "llama", "deepseek_v3", "minimax_m2"), "mxfp4": ("gpt_oss",)}
 
 
 def _qwen_fp8_config():
@@ -31,6 +31,27 @@ def _qwen_fp8_config():
     return Qwen3MoeConfig(vocab_size=101, hidden_size=256, head_dim=64, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, intermediate_size=384, moe_intermediate_size=192, num_experts=4,
                           num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _deepseek_v3_fp8_config():
+    from transformers import DeepseekV3Config
+
+    # DeepSeek-V3 ships in FP8: MLA's low-rank projections (kv_a 96 rows, kv_b 64 columns: part of a block), shared
+    # experts, a dense first layer, its router's bias buffer
+    return DeepseekV3Config(vocab_size=101, hidden_size=256, intermediate_size=384, moe_intermediate_size=192,
+                            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
+                            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32, n_group=2, topk_group=1,
+                            num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _minimax_m2_fp8_config():
+    from transformers import MiniMaxM2Config
+
+    return MiniMaxM2Config(vocab_size=101, hidden_size=256, intermediate_size=192, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2)
 
 
 def _llama_fp8_config():
@@ -47,6 +68,8 @@ def ckpts(workdir):
     qwen = make_checkpoint(d("qwen_bf16"), "q", dtype=torch.bfloat16, config=_qwen_fp8_config())
     llama = make_checkpoint(d("llama_bf16"), "l", dtype=torch.bfloat16, config=_llama_fp8_config())
     gpt_oss = make_checkpoint(d("gpt_oss_bf16"), "g", dtype=torch.bfloat16, config=gpt_oss_config())
+    deepseek = make_checkpoint(d("deepseek_v3_bf16"), "d", dtype=torch.bfloat16, config=_deepseek_v3_fp8_config())
+    minimax = make_checkpoint(d("minimax_m2_bf16"), "m", dtype=torch.bfloat16, config=_minimax_m2_fp8_config())
     from transformers import AutoModelForImageTextToText
 
     fp8, mxfp4 = {"quant_method": "fp8", "dequantize": True}, {"quant_method": "mxfp4", "dequantize": True}
@@ -56,6 +79,8 @@ def ckpts(workdir):
         # a non-square scale grid (blocks of 128 x 64), a dense family, and transformers switching to dequantize by
         # itself (no GPU here), with its own warning
         "fp8 llama 128x64": (fp8_checkpoint(llama, d("llama_fp8"), block=(128, 64)), None, "AutoModelForCausalLM"),
+        "fp8 deepseek_v3": (fp8_checkpoint(deepseek, d("deepseek_v3_fp8")), fp8, "AutoModelForCausalLM"),
+        "fp8 minimax_m2": (fp8_checkpoint(minimax, d("minimax_m2_fp8")), fp8, "AutoModelForCausalLM"),
         "mxfp4 gpt_oss": (mxfp4_checkpoint(gpt_oss, d("gpt_oss_mxfp4")), mxfp4, "AutoModelForCausalLM"),
         # the same quantized tensors in a pickled `.bin`: dequantized from the unpickled tensors, not the file's bytes
         "pickled fp8 qwen3_moe": (pickled_checkpoint(d("qwen_fp8"), d("qwen_fp8_bin")), fp8, "AutoModelForCausalLM"),
