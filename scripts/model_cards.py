@@ -133,8 +133,9 @@ def verification() -> dict:
             "tests/test_missing_and_guards.py")
     for world, runs in test_expert_parallel.RUNS.items():
         for family, ep, dtype in runs:
-            add(family, f"expert parallelism: world size {world}, ep_size {ep}, {dtype}: local experts equal the plain "
-                        "load's slices, everything else equal", "tests/test_expert_parallel.py")
+            fp8 = " (an FP8 checkpoint, dequantized on read)" if family == test_expert_parallel.FP8 else ""
+            add(family.removesuffix("_fp8"), f"expert parallelism: world size {world}, ep_size {ep}, {dtype}{fp8}: "
+                "local experts equal the plain load's slices, everything else equal", "tests/test_expert_parallel.py")
     for world, family, ep in test_expert_parallel.TRAINED:
         add(family, f"expert parallelism: 3 AdamW steps at world size {world}, ep_size {ep} equal DeepSpeed's "
                     "engine-side AutoEP; checkpoints round-trip", "tests/test_expert_parallel.py")
