@@ -39,6 +39,17 @@ class DeepSpeedSetup:
         return torch.float32
 
 
+    def fields_ranks_share(self) -> dict:
+        """The config's fields that decide where and how each rank's partitions are built: ranks given different
+        values (one rank's config file edited, a per-node config) must fail together, not load apart."""
+        zero = self.config.get("zero_optimization") or {}
+        offload = zero.get("offload_param") or {}
+        return {"DeepSpeed ZeRO stage": self.stage, "DeepSpeed dtype": str(self.dtype),
+                "DeepSpeed offload_param device": str(offload.get("device", "none")).lower(),
+                "DeepSpeed offload_param pin_memory": bool(offload.get("pin_memory", False)),
+                "DeepSpeed zero_hpz_partition_size": zero.get("zero_hpz_partition_size", 1)}
+
+
 def _load_json(path: str) -> dict:
     try:
         with open(path) as f:

@@ -39,6 +39,9 @@ __all__ = ["LoadReport", "from_pretrained"]
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
+DIFFERENT_CALLS = "were not called with the same arguments and DeepSpeed config"
+
+
 def _ensure_distributed() -> None:
     """Start the process group DeepSpeed's way. Called from plain `python` with no launcher (none of torchrun's
     variables set), load as a single process (world size 1) instead of failing in DeepSpeed's MPI discovery."""
@@ -242,10 +245,10 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
     except Exception as e:
         error = e
     # the arguments that choose the path every rank takes (and so the collectives it joins) must agree
-    same = {"state_dict= given": from_state_dict, "init_context": init_context, "load_from": load_from,
-            "expert parallel size": ep_request.ep_size if ep_request is not None else None}
-    agreement.check("check the arguments and the DeepSpeed config", error, same=same,
-                    differs="were not called with the same arguments", error_type=ConfigError)
+    same = {**setup.fields_ranks_share(), "state_dict= given": from_state_dict, "init_context": init_context,
+            "load_from": load_from, "expert parallel size": ep_request.ep_size if ep_request is not None else None}
+    agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
+                    error_type=ConfigError)
     expert_parallel = None
     if ep_request is not None:  # groups first, on every rank: the engine reuses them
         expert_parallel = (ep_request, create_groups(ep_request, setup.config))

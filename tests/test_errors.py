@@ -15,6 +15,10 @@ import torch
 
 from tests.checkpoints import make_checkpoint, rewrite_checkpoint
 from tests.conftest import run_ranks, run_torchrun
+from tests.dist_worker import ds_config_for
+
+OFFLOADED = ds_config_for("float32")
+OFFLOADED = {**OFFLOADED, "zero_optimization": {**OFFLOADED["zero_optimization"], "offload_param": {"device": "cpu"}}}
 
 BOUND_S = 60
 
@@ -233,6 +237,13 @@ CASES = {
     # an error on one rank before the first agreement point; the next case in the same processes still pairs
     "ds_config_unreadable_on_rank_1": ("good", {"by_rank": {"1": "/nonexistent/ds.json"}}, {}, None, "ConfigError",
                                        ["[rank 1]", "cannot read DeepSpeed config", "/nonexistent/ds.json"]),
+    # DeepSpeed configs that differ where they decide each rank's partitions (an edited copy on one node)
+    "ds_config_dtype_differs_on_rank_1": ("good", {"by_rank": {"1": ds_config_for("bfloat16")}}, {}, None,
+                                          "ConfigError", ["the same arguments and DeepSpeed config: DeepSpeed dtype "
+                                                          "differs", "torch.float32 on rank 0", "torch.bfloat16 on rank 1"]),
+    "ds_config_offload_differs_on_rank_1": ("good", {"by_rank": {"1": OFFLOADED}}, {}, None, "ConfigError",
+                                            ["DeepSpeed offload_param device differs", "none on rank 0",
+                                             "cpu on rank 1"]),
 }
 
 

@@ -43,7 +43,7 @@ REFUSED = {
                             "load_from='read', but ranks 1 cannot read the checkpoint (its state_dict holds meta "
                             "tensors)"),
     "only_rank_0": ({"only_rank": 0}, {}, "ConfigError",
-                    "were not called with the same arguments: state_dict= given differs"),
+                    "were not called with the same arguments and DeepSpeed config: state_dict= given differs"),
 }
 
 
