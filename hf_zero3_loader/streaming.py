@@ -373,6 +373,11 @@ def _split(item: ReadItem, chunk_bytes: int):
             yield r, r + 1, c0, min(item.cols, c0 + step)
 
 
+def stream_bytes(plan: LoadPlan) -> int:
+    """The bytes a stream of `plan` carries: its elements as read (dequantized elements for FP8/MXFP4 entries)."""
+    return sum(i.numel * i.src_dtype.itemsize for t in plan.tensors.values() if t.status == "load" for i in t.reads)
+
+
 def _largest_chunk(chunk_lists) -> int:
     """The buffer a stream needs: its largest chunk (at most chunk_bytes; a small stream needs far less)."""
     return max((_chunk_size(chunk) for chunks in chunk_lists for chunk in chunks), default=0)
@@ -398,9 +403,10 @@ class Streamer:
         self.largest_buffer = max(self.largest_buffer, nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=device or self.device)
 
-    def serve(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_reader) -> None:
+    def serve(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_reader, progress=None) -> None:
         """Send each receiving rank its plan's bytes: file by file, receiver by receiver, chunk by chunk, reading
-        the next chunk while the previous one is on the wire. On a failure, tell every receiver still waiting."""
+        the next chunk while the previous one is on the wire. On a failure, tell every receiver still waiting.
+        `progress(nbytes)` is called as each chunk is handed to the wire."""
         import torch.distributed as dist
 
         from .reader import execute_read
@@ -427,8 +433,11 @@ class Streamer:
                         payload = buf[:size] if self.device.type == "cpu" else buf[:size].to(self.device)
                         status = torch.tensor([OK, size], dtype=torch.int64, device=self.device)
                         in_flight[turn] = [dist.isend(status, rank), dist.isend(payload, rank), status, payload]
-                        self.bytes_sent += sum(p.nbytes for p in chunk)  # checkpoint bytes, not the padding
+                        sent = sum(p.nbytes for p in chunk)  # checkpoint bytes, not the padding
+                        self.bytes_sent += sent
                         remaining[rank] -= 1
+                        if progress is not None:
+                            progress(sent)
                         turn = 1 - turn
             for sends in in_flight:
                 for work in sends[:2]:
@@ -441,7 +450,7 @@ class Streamer:
                     pass
             raise
 
-    def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor]) -> None:
+    def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor], progress=None) -> None:
         """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`)."""
         stream = stream_chunks(plan, self.chunk_bytes)
         buf = self._buffer(_largest_chunk(chunks for _, chunks in stream))
@@ -452,6 +461,8 @@ class Streamer:
                 for piece in chunk:
                     data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
                     piece.place(data, destinations[piece.tensor])
+                if progress is not None:
+                    progress(sum(p.nbytes for p in chunk))
 
     def _receive_chunk(self, buf: torch.Tensor, status: torch.Tensor, source: int, chunk: list, role: str) -> int:
         """One chunk from `source` into the start of `buf`, after its status; returns its size in bytes."""

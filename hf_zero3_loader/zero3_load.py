@@ -31,7 +31,7 @@ from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact,
 from .reader import FileReader, node_reads_whole_files, run_reads
 from .report import LoadReport
 from .staging import DEFAULT_STAGING_BYTES, run_staged_reads
-from .streaming import Streamer, checkpoint_from_bundle
+from .streaming import Streamer, checkpoint_from_bundle, stream_bytes
 from .zero3 import Zero3Partitioner
 
 
@@ -154,16 +154,23 @@ class Zero3Load:
         layout, rank = self.stream.layout, self.report.rank
         device = torch.device("cpu") if dist.get_backend() == "gloo" else local_device()
         streamer = Streamer(self.stream.chunk_bytes, device)
+        from transformers.utils.logging import tqdm
+
         with self.agreement.collective_section("stream checkpoint bytes", groups):
             if served:
                 reader = FileReader(self.report.read, checkpoint.identities, prefault=False,  # into reused chunks
                                     readahead=node_reads_whole_files(self.report.world_size))
-                try:
-                    streamer.serve(served, checkpoint, reader)
+                try:  # rank 0 shows its progress, as it does for its own reads
+                    with tqdm(total=sum(stream_bytes(p) for p in served.values()), unit="B", unit_scale=True,
+                              desc=f"Streaming partitions to {len(served)} rank{'s' * (len(served) > 1)}", disable=rank != 0) as bar:
+                        streamer.serve(served, checkpoint, reader, progress=bar.update)
                 finally:
                     reader.close()
             if rank in layout.source_of:
-                streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations})
+                with tqdm(total=stream_bytes(plan), unit="B", unit_scale=True, desc="Receiving ZeRO-3 partitions",
+                          disable=rank != 0) as bar:
+                    streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations},
+                                     progress=bar.update)
         self.report.stream = {**layout.summary(rank), "bytes_sent": streamer.bytes_sent,
                               "bytes_received": streamer.bytes_received,
                               "largest_stream_buffer_bytes": streamer.largest_buffer}

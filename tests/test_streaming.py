@@ -212,7 +212,7 @@ def test_decide_who_reads_and_who_receives():
 
 def test_stream_chunks_cover_every_item_once_within_the_budget():
     from hf_zero3_loader.planner.inspect import plan_ranks
-    from hf_zero3_loader.streaming import _largest_chunk, stream_chunks
+    from hf_zero3_loader.streaming import _largest_chunk, stream_bytes, stream_chunks
 
     from tests.checkpoints import make_checkpoint as make
 
@@ -235,6 +235,8 @@ def test_stream_chunks_cover_every_item_once_within_the_budget():
                             covered[key] = covered.get(key, 0) + (piece.r1 - piece.r0) * (piece.c1 - piece.c0)
                 expected = {(t.name, i): i.numel for t in plan.tensors.values() if t.status == "load" for i in t.reads}
                 assert covered == expected
+                assert sum(p.nbytes for _, chunks in stream_chunks(plan, budget) for c in chunks for p in c) == (
+                    stream_bytes(plan))  # what the progress bars count
                 # the buffers are sized to the largest chunk: a stream smaller than the budget needs no more
                 stream = stream_chunks(plan, budget)
                 largest = _largest_chunk(chunks for _, chunks in stream)
