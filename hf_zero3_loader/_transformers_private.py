@@ -11,7 +11,9 @@
   while `save_pretrained` runs on a meta skeleton, so transformers decides every file of a save (keys after reverting
   the conversions, dtypes, shard split, index, config) and we write the tensor bytes (`saving.py`); the skeleton's
   `should_save_on_this_rank` (transformers' `distributed/mixin.py`) says yes on every rank.
-- `core_model_loading.revert_weight_conversion`'s choice of conversions (`conversions_for_save`).
+- `core_model_loading.revert_weight_conversion`'s choice of conversions (`conversions_for_save`), and
+  `WeightTransform._original_source_patterns` / `_original_target_patterns`, to rebuild a quantizer's converter
+  without its dequantize op (`conversions_without_dequantize`).
 - `GgufHfQuantizer.supported`: False when transformers' legacy GGUF loader handles the architecture, which hands
   `_load_pretrained_model` every tensor already dequantized (`state_dict_is_dequantized`).
 """
@@ -242,6 +244,52 @@ def conversions_for_save(model) -> list:
 
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     return list(conversions or [])
+
+
+# what a quantized checkpoint stores beside each weight (FP8: scales; MXFP4: the packed blocks and their scales)
+QUANTIZED_PARTS = ("weight_scale_inv", "activation_scale", "_blocks", "_scales")
+
+
+def conversions_without_dequantize(conversions: list) -> list:
+    """A model loaded with `dequantize=True` keeps its quantizer's converters: `Fp8Dequantize` / `Mxfp4Dequantize`
+    first, over each weight and its scales. transformers 5.23 cannot reverse them when saving: an FP8 MoE fails
+    ("Undefined Operation encountered!"), a dense FP8 model is written as FP8 weights and scales under a config that
+    no longer says FP8 (loaded back, the scales are unexpected and the weights wrong). The model holds dequantized
+    weights, so a save writes those in the checkpoint's own layout: the same converters without the dequantize op and
+    the scales' patterns; one left with nothing to convert is dropped."""
+    from transformers.core_model_loading import WeightConverter
+
+    dequantize_ops = _dequantize_op_classes()
+    out = []
+    for conversion in conversions:
+        operations = getattr(conversion, "operations", None) or []
+        if not isinstance(conversion, WeightConverter) or not any(isinstance(op, dequantize_ops) for op in operations):
+            out.append(conversion)
+            continue
+        sources = [p for p in conversion._original_source_patterns if not p.endswith(QUANTIZED_PARTS)]
+        targets = list(conversion._original_target_patterns)
+        operations = [op for op in operations if not isinstance(op, dequantize_ops)]
+        if not sources or not operations:  # a rename at most: the weight keeps its name, or (MXFP4) its target's
+            continue
+        out.append(conversion.copy(sources, targets, operations=operations))
+    return out
+
+
+def _dequantize_op_classes() -> tuple:
+    classes = []
+    try:
+        from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+        classes.append(Fp8Dequantize)
+    except ImportError:
+        pass
+    try:
+        from transformers.integrations.mxfp4 import Mxfp4Dequantize
+
+        classes.append(Mxfp4Dequantize)
+    except ImportError:
+        pass
+    return tuple(classes)
 
 
 def meta_model(model_class, config, dtype):

@@ -224,8 +224,8 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
                                      dtypes.most_common(1)[0][0] if dtypes else torch.float32)
     if getattr(module, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(module.generation_config)
-    if getattr(module, "_weight_conversions", None) is not None:
-        skeleton._weight_conversions = module._weight_conversions
+    if getattr(module, "_weight_conversions", None) is not None:  # loaded dequantized: saved dequantized
+        skeleton._weight_conversions = hf_private.conversions_without_dequantize(module._weight_conversions)
     state = skeleton.state_dict(keep_vars=True)
     absent = sorted(n for n in state if n not in wanted)
     extra = sorted(n for n in wanted if n not in state)
