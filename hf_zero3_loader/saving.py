@@ -220,8 +220,11 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
         if not boxes:
             wanted.update((name, (shape, dtype)) for name in names)
     dtypes = Counter(d for _, d in wanted.values() if d.is_floating_point)
-    skeleton = hf_private.meta_model(type(module), copy.deepcopy(module.config),
-                                     dtypes.most_common(1)[0][0] if dtypes else torch.float32)
+    config = copy.deepcopy(module.config)
+    if hf_private.state_dict_is_dequantized(getattr(module, "hf_quantizer", None)) and hasattr(
+            config, "quantization_config"):  # read from GGUF dequantized: plain weights now (transformers refuses)
+        del config.quantization_config
+    skeleton = hf_private.meta_model(type(module), config, dtypes.most_common(1)[0][0] if dtypes else torch.float32)
     if getattr(module, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(module.generation_config)
     if getattr(module, "_weight_conversions", None) is not None:  # loaded dequantized: saved dequantized

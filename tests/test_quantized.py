@@ -204,14 +204,20 @@ def test_each_rank_reads_its_share_of_the_quantized_bytes_and_the_scales_it_touc
 def test_gguf_files_load_like_the_plain_load(workdir):
     """A Llama GGUF, float32 and with Q8_0 linear weights, at 3 ranks: transformers' legacy GGUF loader (every
     architecture but lfm2 and Qwen3.5 in 5.23) dequantizes the file into a state dict on every rank, and each rank
-    copies its partitions from it, equal to the plain load bit for bit and in dtype."""
+    copies its partitions from it, equal to the plain load bit for bit and in dtype. The Q8_0 model saved back
+    (transformers' own save_pretrained refuses: its GGUF quantizer is not serializable) is a plain safetensors
+    checkpoint of those values, without the GGUF quantization_config."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
     folder = os.path.join(workdir, "gguf")
     files = [gguf_checkpoint(folder, "llama_f32.gguf", quantized=False),
              gguf_checkpoint(folder, "llama_q8_0.gguf", quantized=True)]
+    saved = os.path.join(workdir, "gguf_saved")
     cases = [{"name": name, "path": folder, "dtype": "float32", "kwargs": {"gguf_file": name},
               "out": os.path.join(workdir, f"gguf_{name}.pt")} for name in files]
+    cases[1]["save"] = {"dir": saved}
     for case, dump in zip(cases, run_torchrun(3, cases, workdir)):
         got = dump["rank0"]
         assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
@@ -222,6 +228,13 @@ def test_gguf_files_load_like_the_plain_load(workdir):
         for name, expected in want.items():
             actual = got["state"][name]
             assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{case['name']} {name}"
+    assert "save_error" not in got, got.get("save_error", {}).get("traceback")
+    with open(os.path.join(saved, "config.json")) as f:
+        assert "quantization_config" not in json.load(f)
+    model, info = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
 
 
 def test_plan_shows_the_quantized_bytes(ckpts):
