@@ -319,7 +319,7 @@ def check_round_trip(skeleton, resolution, checkpoint: Checkpoint) -> None:
     is some model element: planning the whole model as one rank covers each file tensor exactly once."""
     problems = [f"{k} would load as unexpected" for k in sorted(resolution.unexpected_keys)]
     problems += [f"{m[0]} would load with shape {tuple(m[1])}" for m in sorted(resolution.mismatched_keys, key=str)]
-    whole = plan_tensors(skeleton, resolution, checkpoint, lambda name: PartitionGroup("whole", 1, 0), 0, 1)
+    whole = plan_tensors(skeleton, resolution, checkpoint, lambda name: WHOLE, 0, 1)
     covered: Counter = Counter()
     for t in whole.tensors.values():
         for item in t.reads:
@@ -331,16 +331,28 @@ def check_round_trip(skeleton, resolution, checkpoint: Checkpoint) -> None:
                               f"gather cannot write its checkpoint: {'; '.join(problems[:6])}")
 
 
+# A parameter that is not partitioned, in a model whose others are: whole on every rank, written once, like a buffer
+# (transformers' ZeRO-3-aware `resize_token_embeddings` builds the new embedding this way, outside zero.Init)
+WHOLE = PartitionGroup("whole", 1, 0)
+
+
+def _group_of_param(module, name: str) -> PartitionGroup:
+    param = module.get_parameter(name)
+    if not ds_private.is_zero3_param(param):
+        return WHOLE
+    part = ds_private.zero3_partition(param)
+    return PartitionGroup(f"pg{id(part.group)}", part.group_size, part.rank)
+
+
 def plan_writes(module, resolution, checkpoint: Checkpoint, layout, rank: int, world_size: int,
                 group_of=None, ep_rank: int | None = None, writes_buffers: bool = False,
                 not_saved: frozenset = frozenset()) -> LoadPlan:
     """What this rank (or, with `group_of` / `ep_rank`, another rank) writes: each parameter's partition, as the
-    load plan of the same files would read it; buffers only on the rank that `writes_buffers`. `not_saved`: the
-    names transformers leaves out of a save (`_keys_to_ignore_on_save`)."""
+    load plan of the same files would read it; buffers (and whole parameters) only on the rank that `writes_buffers`.
+    `not_saved`: the names transformers leaves out of a save (`_keys_to_ignore_on_save`)."""
     if group_of is None:
         def group_of(name):
-            part = ds_private.zero3_partition(module.get_parameter(name))
-            return PartitionGroup(f"pg{id(part.group)}", part.group_size, part.rank)
+            return _group_of_param(module, name)
     sources = layout.sources_for(layout.groups.ep_rank if ep_rank is None else ep_rank) if layout is not None else None
     plan = plan_tensors(module, resolution, checkpoint, group_of, rank, world_size, sources)
     check_plan_is_exact(plan)
@@ -349,16 +361,18 @@ def plan_writes(module, resolution, checkpoint: Checkpoint, layout, rank: int, w
         if t.kind == "param" and t.status != "load" and source.source not in not_saved:
             raise LoaderError(f"internal error: no file position for parameter {t.name} ({t.status})")
     plan.tensors = {n: t for n, t in plan.tensors.items()
-                    if t.status == "load" and (t.kind == "param" or writes_buffers)}
+                    if t.status == "load" and ((t.kind == "param" and t.group != WHOLE) or writes_buffers)}
     return plan
 
 
 def partitions_of(module, plan: LoadPlan) -> dict[str, torch.Tensor]:
-    """Each planned tensor's local flat data: a parameter's ZeRO-3 partition, a buffer whole."""
+    """Each planned tensor's local flat data: a parameter's ZeRO-3 partition, a buffer (or whole parameter) whole."""
     out = {}
     for name, t in plan.tensors.items():
-        if t.kind == "param":
+        if t.kind == "param" and t.group != WHOLE:
             out[name] = ds_private.zero3_partition(module.get_parameter(name)).tensor
+        elif t.kind == "param":
+            out[name] = module.get_parameter(name).detach().reshape(-1)
         else:
             out[name] = module.get_buffer(name).detach().reshape(-1)
     return out
@@ -576,6 +590,8 @@ class _Save:
         edp_size = world // self.layout.groups.ep_size if self.layout is not None else world
 
         def group_of(name):
+            if not ds_private.is_zero3_param(self.module.get_parameter(name)):
+                return WHOLE  # written by the writer rank itself
             part = ds_private.zero3_partition(self.module.get_parameter(name))
             if name in expert_params:
                 return PartitionGroup("experts", edp_size, peer.edp_rank)

@@ -227,3 +227,23 @@ def test_ranks_that_cannot_see_the_folder_stream_their_partitions_to_a_rank_that
         received = sum(s["bytes_received"] for s in streams)
         assert received == sum(r["save"]["partition_bytes"] for r in senders)
         assert sum(r["save"]["bytes_written"] for r in ranks) == sum(r["save"]["partition_bytes"] for r in ranks)
+
+
+def test_a_model_saved_right_after_resize_token_embeddings_writes_what_plain_save_pretrained_writes(workdir):
+    """transformers' ZeRO-3-aware `resize_token_embeddings` builds the new embedding outside zero.Init: it stays whole
+    on every rank until `deepspeed.initialize` partitions it. A save before then (the extended tokenizer's model,
+    saved before training) writes it once, from the writer rank, beside everyone's partitions: byte for byte the
+    files of a plain save_pretrained, loading back to the same values (tied and untied, dense and MoE)."""
+    from tests.test_families import save_failure
+
+    cases = []
+    for family, size in (("llama_tied", 120), ("qwen3_moe", 111)):
+        folder = os.path.join(workdir, "saved", f"resized_{family}")
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder + ".reference", ignore_errors=True)
+        cases.append({"name": f"resized_{family}", "path": source(workdir, family, None), "dtype": "float32",
+                      "resize_to": size, "seed": 1, "out": os.path.join(workdir, f"save_resized_{family}.pt"),
+                      "save": {"dir": folder, "reference": True, "kwargs": {"max_shard_size": "20KB"}}})
+    for case, dump in zip(cases, run_torchrun(3, cases, workdir)):
+        assert save_failure(case, dump) is None, save_failure(case, dump)
+        assert dump["rank0"]["config"]["vocab_size"] == case["resize_to"]
