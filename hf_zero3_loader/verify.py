@@ -60,6 +60,21 @@ def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
     return plain.get(name)
 
 
+def dequantize_config(checkpoint: str, load_kwargs: dict):
+    """For an FP8 or MXFP4 checkpoint, the quantization config that loads it dequantized; else None."""
+    import transformers
+
+    location = {k: v for k, v in load_kwargs.items() if k in ("subfolder", "revision", "cache_dir", "trust_remote_code")}
+    quantization = getattr(transformers.AutoConfig.from_pretrained(checkpoint, **location), "quantization_config", None)
+    if quantization is None:
+        return None
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    config_class = {"fp8": transformers.FineGrainedFP8Config, "mxfp4": transformers.Mxfp4Config}.get(
+        getattr(method, "value", method))
+    return config_class(dequantize=True) if config_class is not None else None
+
+
 def _worker(args) -> None:
     import deepspeed
     import torch
@@ -81,6 +96,9 @@ def _worker(args) -> None:
         config["expert_parallel"] = {"enabled": True, "autoep_size": args.ep_size}
     model_class = getattr(transformers, args.model_class)
     load_kwargs = json.loads(args.load_kwargs)
+    dequantize = dequantize_config(args.checkpoint, load_kwargs)
+    if dequantize is not None:  # ZeRO-3 trains dequantized weights: both loads dequantize (else a GPU keeps FP8)
+        load_kwargs["quantization_config"] = dequantize
     model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config, **load_kwargs)
     ep = model.hf_zero3_load_report.expert_parallel
     plain = None

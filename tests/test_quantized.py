@@ -276,3 +276,17 @@ NOT_COVERED = {
     "CompressedTensorsDequantize": "decompresses through the compressed-tensors library's own compressors",
     "MetalDequantize": "Apple MPS affine integer quantization",
 }
+
+
+def test_verify_compares_quantized_checkpoints_dequantized(ckpts):
+    """`hf-zero3-loader verify` of an FP8 or MXFP4 checkpoint loads it dequantized both ways (ZeRO-3 trains dequantized
+    weights; on a GPU the plain load would otherwise keep FP8 and ours refuse to)."""
+    from transformers import FineGrainedFP8Config, Mxfp4Config
+
+    from hf_zero3_loader.verify import dequantize_config
+
+    fp8 = dequantize_config(ckpts["fp8 deepseek_v3"][0], {})
+    mxfp4 = dequantize_config(ckpts["mxfp4 gpt_oss"][0], {})
+    assert isinstance(fp8, FineGrainedFP8Config) and fp8.dequantize
+    assert isinstance(mxfp4, Mxfp4Config) and mxfp4.dequantize
+    assert dequantize_config(ckpts["ernie4_5_vl_moe"][0], {}) is None
