@@ -134,9 +134,9 @@ class _Heartbeat(threading.Thread):
             load_no = int(value.split(":")[0]) if value else -1
             if load_no < a.load_no:  # has not started this load yet
                 if now - self.started_at > a.join_timeout_s:
-                    return (f"rank {r} did not start this load within {a.join_timeout_s:.0f}s (every rank must "
-                            "call from_pretrained with a ZeRO-3 config: a rank given another DeepSpeed config, or "
-                            "none, loads without ZeRO-3 and never joins)")
+                    return (f"rank {r} did not start this load or save within {a.join_timeout_s:.0f}s (loading "
+                            "and saving a ZeRO-3 model are collective: every rank must call them; a rank given "
+                            "another DeepSpeed config, or none, loads without ZeRO-3 and never joins)")
                 continue
             last = self.seen.get(r)
             if last is None or last[0] != value:

@@ -333,14 +333,20 @@ def save_case(case: dict, target, model, result: dict) -> None:
     counter, largest = CollectiveCounter(), LargestAllocation()
     try:
         with counter, largest:
-            report = hf_zero3_loader.save_pretrained(target, spec["dir"], **spec.get("kwargs", {}))
+            if spec.get("direct"):  # the model's own save_pretrained, routed by `import hf_zero3_loader.auto`
+                import hf_zero3_loader.auto  # noqa: F401
+
+                model.save_pretrained(spec["dir"], **spec.get("kwargs", {}))
+                report = None
+            else:
+                report = hf_zero3_loader.save_pretrained(target, spec["dir"], **spec.get("kwargs", {}))
     except Exception as e:
         result["save_error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
                                 "message": str(e), "traceback": traceback.format_exc()}
         return
     finally:
         undo_fault()
-    result["save"] = report.summary()
+    result["save"] = report.summary() if report is not None else None
     result["save_collectives"] = {"calls": counter.calls, "bytes": counter.bytes}
     result["save_largest_allocation_bytes"] = largest.largest_bytes
     result["trained_state"] = gather_state(model)

@@ -247,3 +247,24 @@ def test_a_model_saved_right_after_resize_token_embeddings_writes_what_plain_sav
     for case, dump in zip(cases, run_torchrun(3, cases, workdir)):
         assert save_failure(case, dump) is None, save_failure(case, dump)
         assert dump["rank0"]["config"]["vocab_size"] == case["resize_to"]
+
+
+def test_the_models_own_save_pretrained_writes_the_partitions_under_the_auto_import(workdir):
+    """`model.save_pretrained(folder)` on every rank of a ZeRO-3 model: transformers alone writes each partitioned
+    parameter as an empty tensor (dense: a checkpoint of `(0,)`-shaped weights, silently) or fails reverting MoE
+    conversions. With `import hf_zero3_loader.auto` it is this library's save: the files of a plain save_pretrained of
+    the gathered model, byte for byte, with its keywords (`max_shard_size`, `is_main_process`)."""
+    from tests.test_families import save_failure
+
+    cases = []
+    for family in ("llama_tied", "qwen3_moe"):
+        folder = os.path.join(workdir, "saved", f"direct_{family}")
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder + ".reference", ignore_errors=True)
+        cases.append({"name": f"direct_{family}", "path": source(workdir, family, None), "dtype": "float32",
+                      "out": os.path.join(workdir, f"save_direct_{family}.pt"),
+                      "save": {"dir": folder, "reference": True, "direct": True,
+                               "kwargs": {"max_shard_size": "20KB", "is_main_process": True, "token": None}}})
+    for case, dump in zip(cases, run_torchrun(3, cases, workdir)):
+        assert save_failure(case, dump) is None, save_failure(case, dump)
+        assert len([f for f in os.listdir(case["save"]["dir"]) if f.endswith(".safetensors")]) > 1  # sharded

@@ -1,9 +1,13 @@
-"""Route `Trainer.save_model` and `Accelerator.save_model` through `hf_zero3_loader.save_pretrained` for ZeRO-3 models.
+"""Route `Trainer.save_model`, `Accelerator.save_model` and `PreTrainedModel.save_pretrained` through
+`hf_zero3_loader.save_pretrained` for ZeRO-3 models.
 
-Both gather today (`stage3_gather_16bit_weights_on_model_save`: every parameter all-gathered, the whole state dict in
-rank 0's memory) or, with that option off, write no model at all. With `import hf_zero3_loader.auto` a partitioned
-`PreTrainedModel` is written by every rank from its own partitions instead; the files are the ones the gathered path
-writes. Anything else (PEFT adapters, plain `nn.Module`s, ZeRO-1/2) goes to the original methods unchanged.
+The first two gather today (`stage3_gather_16bit_weights_on_model_save`: every parameter all-gathered, the whole
+state dict in rank 0's memory) or, with that option off, write no model at all; a model's own `save_pretrained` writes
+each partitioned parameter as an empty tensor (a dense model's checkpoint of `(0,)`-shaped weights, silently) or fails
+reverting MoE conversions ("chunk expects `chunks` to be greater than 0"). With `import hf_zero3_loader.auto` a
+partitioned `PreTrainedModel` is written by every rank from its own partitions instead; the files are the ones the
+gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT adapters, plain `nn.Module`s,
+ZeRO-1/2) goes to the original methods unchanged.
 """
 
 from __future__ import annotations
@@ -71,16 +75,50 @@ def _accelerator_save_model(original):
     return save_model
 
 
-TARGETS = {"transformers.trainer": ("Trainer", _trainer_save_model),
-           "accelerate.accelerator": ("Accelerator", _accelerator_save_model)}
+# transformers' save_pretrained keywords that do not change the files (the hub token; PEFT's format and the writer
+# function, which only a caller-gathered state dict or an adapter uses: those go to the original)
+_IGNORED_SAVE_KEYWORDS = ("token", "save_peft_format", "save_function")
+
+
+def _model_save_pretrained(original):
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        import torch.distributed as dist
+
+        from ..saving import is_partitioned
+
+        if (kwargs.get("state_dict") is not None or getattr(self, "_hf_peft_config_loaded", False)
+                or not (dist.is_available() and dist.is_initialized()) or not is_partitioned(self)):
+            return original(self, save_directory, *args, **kwargs)
+        from .. import log
+        from ..saving import save_pretrained as save_partitions
+
+        bound = signature.bind(self, save_directory, *args, **kwargs).arguments
+        options = {k: v for k, v in bound.items() if k not in ("self", "save_directory", "kwargs")}
+        options.update(bound.get("kwargs", {}))
+        options = {k: v for k, v in options.items() if k not in _IGNORED_SAVE_KEYWORDS}
+        log.info("save_pretrained of a ZeRO-3 model: every rank writes its own partitions (hf_zero3_loader; call it "
+                 "on every rank)")
+        save_partitions(self, save_directory, **options)
+
+    return save_pretrained
+
+
+TARGETS = {"transformers.trainer": ("Trainer", "save_model", _trainer_save_model),
+           "accelerate.accelerator": ("Accelerator", "save_model", _accelerator_save_model),
+           "transformers.modeling_utils": ("PreTrainedModel", "save_pretrained", _model_save_pretrained)}
 
 
 def _patch(module) -> None:
-    class_name, wrap = TARGETS[module.__name__]
+    class_name, method, wrap = TARGETS[module.__name__]
     owner = getattr(module, class_name)
-    if owner not in _originals:
-        _originals[owner] = owner.__dict__["save_model"]
-        owner.save_model = wrap(_originals[owner])
+    if (owner, method) not in _originals:
+        _originals[owner, method] = owner.__dict__[method]
+        setattr(owner, method, wrap(_originals[owner, method]))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
@@ -110,7 +148,7 @@ _finder = _PatchOnImport()
 
 
 def install() -> None:
-    """Patch `Trainer.save_model` and `Accelerator.save_model` now if imported, else when they are (idempotent)."""
+    """Patch the targets now if imported, else when they are (idempotent)."""
     for name in TARGETS:
         if name in sys.modules:
             _patch(sys.modules[name])
@@ -121,6 +159,6 @@ def install() -> None:
 def uninstall() -> None:
     if _finder in sys.meta_path:
         sys.meta_path.remove(_finder)
-    for owner, original in list(_originals.items()):
-        owner.save_model = original
-        del _originals[owner]
+    for (owner, method), original in list(_originals.items()):
+        setattr(owner, method, original)
+        del _originals[owner, method]
