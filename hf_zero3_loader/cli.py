@@ -97,7 +97,8 @@ def add_location_arguments(parser) -> None:
     group = parser.add_argument_group("checkpoint location (as from_pretrained's keywords)")
     group.add_argument("--subfolder", default=None, help="the model's folder inside CHECKPOINT")
     group.add_argument("--revision", default=None, help="hub revision (a repo id in the local hub cache)")
-    group.add_argument("--cache-dir", default=None, help="the hub cache holding a repo id (from_pretrained's cache_dir)")
+    group.add_argument("--cache-dir", default=None,
+                       help="the hub cache holding a repo id (from_pretrained's cache_dir)")
     group.add_argument("--variant", default=None, help="weight files of a variant, e.g. model.fp16.safetensors")
     group.add_argument("--no-safetensors", dest="use_safetensors", action="store_const", const=False, default=None,
                        help="prefer pickled weights (use_safetensors=False)")

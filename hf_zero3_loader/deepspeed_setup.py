@@ -38,7 +38,6 @@ class DeepSpeedSetup:
                 return dtype
         return torch.float32
 
-
     def fields_ranks_share(self) -> dict:
         """The config's fields that decide where and how each rank's partitions are built: ranks given different
         values (one rank's config file edited, a per-node config) must fail together, not load apart."""

@@ -264,7 +264,8 @@ def find_readers(path, kwargs, agreement, mode, chunk_bytes, expert_parallel):
     from . import log
 
     folder, files, reason = local_checkpoint(str(path), kwargs.get("subfolder") or "", kwargs.get("revision"),
-                                             kwargs.get("variant"), kwargs.get("use_safetensors"), kwargs.get("cache_dir"))
+                                             kwargs.get("variant"), kwargs.get("use_safetensors"),
+                                             kwargs.get("cache_dir"))
     me = Peer(dist.get_rank(), node_id(), folder is not None, reason, *_expert_ranks(expert_parallel))
     peers, layout = _find_layout(me, agreement, mode, "find the ranks that can read the checkpoint")
     if layout is None:

@@ -64,7 +64,8 @@ def dequantize_config(checkpoint: str, load_kwargs: dict):
     """For an FP8 or MXFP4 checkpoint, the quantization config that loads it dequantized; else None."""
     import transformers
 
-    location = {k: v for k, v in load_kwargs.items() if k in ("subfolder", "revision", "cache_dir", "trust_remote_code")}
+    location = {k: v for k, v in load_kwargs.items()
+                if k in ("subfolder", "revision", "cache_dir", "trust_remote_code")}
     quantization = getattr(transformers.AutoConfig.from_pretrained(checkpoint, **location), "quantization_config", None)
     if quantization is None:
         return None

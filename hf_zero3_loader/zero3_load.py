@@ -150,19 +150,19 @@ class Zero3Load:
     def _stream(self, plan: LoadPlan, served: dict, checkpoint, destinations, groups) -> None:
         """Readers send the ranks they serve their plans' bytes; receivers fill their partitions from them."""
         import torch.distributed as dist
+        from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
         layout, rank = self.stream.layout, self.report.rank
         device = torch.device("cpu") if dist.get_backend() == "gloo" else local_device()
         streamer = Streamer(self.stream.chunk_bytes, device)
-        from transformers.utils.logging import tqdm
-
         with self.agreement.collective_section("stream checkpoint bytes", groups):
             if served:
                 reader = FileReader(self.report.read, checkpoint.identities, prefault=False,  # into reused chunks
                                     readahead=node_reads_whole_files(self.report.world_size))
+                desc = f"Streaming partitions to {len(served)} rank{'s' * (len(served) > 1)}"
                 try:  # rank 0 shows its progress, as it does for its own reads
                     with tqdm(total=sum(stream_bytes(p) for p in served.values()), unit="B", unit_scale=True,
-                              desc=f"Streaming partitions to {len(served)} rank{'s' * (len(served) > 1)}", disable=rank != 0) as bar:
+                              desc=desc, disable=rank != 0) as bar:
                         streamer.serve(served, checkpoint, reader, progress=bar.update)
                 finally:
                     reader.close()

@@ -111,8 +111,9 @@ def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_t
 
 
 def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir, monkeypatch):
-    """--subfolder, --cache-dir, --variant, --no-safetensors, --trust-remote-code: the files and the code `from_pretrained(...)`
-    with the same keywords would use (a hub repo with its own modeling code, a model in a subfolder)."""
+    """--subfolder, --cache-dir, --variant, --no-safetensors, --trust-remote-code: the files and the code
+    `from_pretrained(...)` with the same keywords would use (a hub repo with its own modeling code, a model in a
+    subfolder, a repo id in a hub cache of its own)."""
     import shutil
 
     from tests.checkpoints import remote_code_checkpoint

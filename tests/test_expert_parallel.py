@@ -164,7 +164,7 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
             slack += scales
             largest_allocation = lambda r: 2 * r["report"]["largest_partition_numel"] + (1 << 20)  # noqa: E731
         else:
-            assert sum(read) == total + (world_size - 1) * buffers, f"{case['name']}: ranks read {read}, checkpoint {total}"
+            assert sum(read) == total + (world_size - 1) * buffers, f"{case['name']}: read {read}, checkpoint {total}"
         assert max(read) <= total / world_size + slack, f"{case['name']}: {read} vs {total}/{world_size}"
         for r in ranks:
             ep = r["report"]["expert_parallel"]

@@ -1,13 +1,13 @@
 """`from_pretrained(None, config=..., state_dict=...)` under ZeRO-3: every rank copies its own partitions' elements
 from the state dict it holds, through the same plan as a checkpoint on disk.
 
-At 3 ranks (sizes it does not divide), and at 1, 2 and 4: the gathered model equals, bit for bit and in dtype, the plain single-process
-load of the same state dict, for a state dict in the checkpoint's layout (per-expert keys the conversion merges) and in
-the model's own (`state_dict()`: merged experts, tied weights under both names), with a key missing; with expert
-parallelism each rank holds the experts the folder gives it; with the values on rank 0 only (meta tensors on the others,
-as transformers' own ZeRO-3 path allows) the others receive their partitions' bytes from rank 0; every family of the
-sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass different values, meta tensors
-only, or no state dict at all fail with the same clear error on every rank.
+At 3 ranks (sizes it does not divide), and at 1, 2 and 4: the gathered model equals, bit for bit and in dtype, the
+plain single-process load of the same state dict, for a state dict in the checkpoint's layout (per-expert keys the
+conversion merges) and in the model's own (`state_dict()`: merged experts, tied weights under both names), with a key
+missing; with the values on rank 0 only (meta tensors on the others, as transformers' own ZeRO-3 path allows) the others
+receive their partitions' bytes from rank 0. At 3 ranks: with expert parallelism each rank holds the experts the folder
+gives it; every family of the sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass
+different values, meta tensors only, or no state dict at all fail with the same clear error on every rank.
 """
 
 from __future__ import annotations
