@@ -259,37 +259,39 @@ def conversions_without_dequantize(conversions: list) -> list:
     the scales' patterns; one left with nothing to convert is dropped."""
     from transformers.core_model_loading import WeightConverter
 
-    dequantize_ops = _dequantize_op_classes()
+    dropped = tuple(dequantize_ops().values())
     out = []
     for conversion in conversions:
         operations = getattr(conversion, "operations", None) or []
-        if not isinstance(conversion, WeightConverter) or not any(isinstance(op, dequantize_ops) for op in operations):
+        if not isinstance(conversion, WeightConverter) or not any(isinstance(op, dropped) for op in operations):
             out.append(conversion)
             continue
         sources = [p for p in conversion._original_source_patterns if not p.endswith(QUANTIZED_PARTS)]
         targets = list(conversion._original_target_patterns)
-        operations = [op for op in operations if not isinstance(op, dequantize_ops)]
+        operations = [op for op in operations if not isinstance(op, dropped)]
         if not sources or not operations:  # a rename at most: the weight keeps its name, or (MXFP4) its target's
             continue
         out.append(conversion.copy(sources, targets, operations=operations))
     return out
 
 
-def _dequantize_op_classes() -> tuple:
-    classes = []
+def dequantize_ops() -> dict[str, type]:
+    """The dequantize ops transformers' quantizers put first in a chain when loading with `dequantize=True`, by format
+    ("fp8", "mxfp4"): what the planner has rules for and a save leaves out."""
+    ops = {}
     try:
         from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-        classes.append(Fp8Dequantize)
+        ops["fp8"] = Fp8Dequantize
     except ImportError:
         pass
     try:
         from transformers.integrations.mxfp4 import Mxfp4Dequantize
 
-        classes.append(Mxfp4Dequantize)
+        ops["mxfp4"] = Mxfp4Dequantize
     except ImportError:
         pass
-    return tuple(classes)
+    return ops
 
 
 def meta_model(model_class, config, dtype):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import core_model_loading as cml
 
+from .. import _transformers_private as hf_private
 from ..dequantize import Computation
 from ..errors import UnsupportedConversionError
 from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose, slice_along
@@ -260,20 +261,8 @@ def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
 
 def _quantizer_rules() -> dict:
     """The dequantize ops transformers' quantizers put first in a chain (loading with `dequantize=True`)."""
-    rules = {}
-    try:
-        from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-        rules[Fp8Dequantize] = _fp8_dequantize
-    except ImportError:
-        pass
-    try:
-        from transformers.integrations.mxfp4 import Mxfp4Dequantize
-
-        rules[Mxfp4Dequantize] = _mxfp4_dequantize
-    except ImportError:
-        pass
-    return rules
+    rules = {"fp8": _fp8_dequantize, "mxfp4": _mxfp4_dequantize}
+    return {op: rules[kind] for kind, op in hf_private.dequantize_ops().items()}
 
 
 RULES = {
