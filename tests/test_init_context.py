@@ -132,8 +132,10 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
     for dump in dumps:
         got = dump["rank0"]
         assert "error" not in got, got.get("error", {}).get("traceback")
-        for name, p in plain.named_parameters():
-            assert torch.equal(got["state"][name], p.detach()), name
+        want = dict([*plain.named_parameters(), *plain.named_buffers()])
+        assert set(got["state"]) == set(want)
+        for name, p in want.items():
+            assert got["state"][name].dtype == p.dtype and torch.equal(got["state"][name], p.detach()), name
         assert got["generation_config"] == plain.generation_config.to_dict()
     receiver = dumps[1]["ranks"][1]["report"]
     assert receiver["bytes_read"] == 0 and receiver["stream"]["bytes_received"] == receiver["bytes_to_read"] > 0
