@@ -8,6 +8,8 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
   and handed to every later one (it asserts the group is new).
 - `Init.pin_memory`: whether `zero.Init` page-locks host partitions (`offload_param: {device: cpu, pin_memory: true}`);
   ours are pinned the same way.
+- `partition_parameters.zero_init_context` / `top_level_context`: a caller's own `with zero.Init(...)` around the
+  load; `shutdown_init_context` / `restore_init_context` (what `deepspeed.initialize` uses) pause its patching.
 - `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
   (AutoEP expert parameters: their expert-data-parallel group).
 
@@ -95,6 +97,26 @@ class ZeroParamFactory:
         param.ds_numel_aligned = partition.numel() * param.ds_zero_partition_world_size
         param.data = empty_data
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+@contextmanager
+def callers_zero_init_paused():
+    """Yields the caller's own entered `zero.Init` (older scripts wrap `from_pretrained` in `with
+    deepspeed.zero.Init(config_dict_or_path=...)`), or None, with its patching paused meanwhile. Entered, it patches
+    every module's `__init__` and torch's tensor constructors: the meta skeleton would be partitioned as it is built,
+    and float tensors cast to its dtype. `deepspeed.initialize` pauses it the same way while it builds an engine; the
+    context stays entered and patches again afterwards."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    outer = partition_parameters.top_level_context if partition_parameters.zero_init_context > 0 else None
+    if outer is None:
+        yield None
+        return
+    partition_parameters.shutdown_init_context()
+    try:
+        yield outer
+    finally:
+        partition_parameters.restore_init_context()
 
 
 def is_zero3_param(param: torch.Tensor) -> bool:

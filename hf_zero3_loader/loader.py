@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import _deepspeed_private as ds_private
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import AgreedFailure, Agreement
@@ -289,7 +290,9 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
                        expert_parallel, stream, staging_bytes)
     error, model = None, None
     try:
-        with hf_private.hidden_hf_zero3(), hf_private.replaced_loading(hooks.load, hooks.finalize), paused_gc():
+        with ds_private.callers_zero_init_paused() as outer, hf_private.hidden_hf_zero3(), \
+                hf_private.replaced_loading(hooks.load, hooks.finalize), paused_gc():
+            _note_callers_zero_init(outer, setup)
             model = model_class.from_pretrained(path, *model_args, **kwargs)
     except AgreedFailure:
         raise
@@ -310,6 +313,21 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
         target.name_or_path = str(original_path)
     attach(model, report)
     return model
+
+
+def _note_callers_zero_init(outer, setup) -> None:
+    """A load inside the caller's own `with deepspeed.zero.Init(...)`: the partitions follow the load's DeepSpeed
+    config (the one the engine gets), which the context's settings should match."""
+    if outer is None:
+        return
+    ours = setup.dtype or torch.float32
+    log.debug("loading inside the caller's zero.Init context: paused while this load builds its partitions")
+    if outer.dtype != ours:
+        log.warning_once(f"outer zero.Init {outer.dtype} {ours}",
+                         "from_pretrained runs inside a `deepspeed.zero.Init` context whose dtype is %s, but the "
+                         "DeepSpeed config of this load (%s) trains in %s: the parameters are loaded in %s. Give "
+                         "zero.Init the same config (config_dict_or_path=...), or leave it out: hf_zero3_loader "
+                         "partitions the model itself.", outer.dtype, setup.found_via, ours, ours)
 
 
 def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason):

@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
 Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional),
-"checkpoint_roundtrip"(optional), "all_ranks_state"(optional), "save"(optional: {"dir", "kwargs", "reference"})}.
+"checkpoint_roundtrip"(optional), "all_ranks_state"(optional), "save"(optional: {"dir", "kwargs", "reference"}),
+"callers_zero_init"(optional: {"dtype"}: the load inside the script's own `with deepspeed.zero.Init(...)`)}.
 Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
 the collectives each rank saw during the load (with "all_ranks_state", every rank's gathered state: under expert
 parallelism each rank gathers its own experts).
@@ -11,10 +12,12 @@ parallelism each rank gathers its own experts).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -202,6 +205,24 @@ def state_dict_call(case: dict, model_class, kwargs: dict):
     return model_class, {**kwargs, "config": config, "state_dict": state}
 
 
+class CapturedWarnings(logging.Handler):
+    """The loader's warnings on this rank, while entered."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("hf_zero3_loader").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("hf_zero3_loader").removeHandler(self)
+
+
 def run_case(case: dict) -> dict:
     import transformers
 
@@ -265,8 +286,15 @@ def run_case(case: dict) -> dict:
                 return real_staged(*args, **kwargs)
 
         loader_module.run_staged_reads = run_staged_reads
+    callers_zero_init, warnings = nullcontext(), CapturedWarnings()
+    if "callers_zero_init" in case:  # the script wraps from_pretrained in its own `with deepspeed.zero.Init(...)`
+        import deepspeed
+
+        other_dtype = case["callers_zero_init"].get("dtype")  # its config another dtype's (else the load's own)
+        callers_zero_init = deepspeed.zero.Init(
+            config_dict_or_path=ds_config_for(other_dtype) if other_dtype else ds_config)
     try:
-        with counter, largest:
+        with counter, largest, warnings, callers_zero_init:
             model = load()
     except Exception as e:
         undo_fault()
@@ -275,6 +303,7 @@ def run_case(case: dict) -> dict:
                            "seconds": time.monotonic() - started}
         return result
     undo_fault()
+    result["warnings"] = warnings.messages
     info = None
     if isinstance(model, tuple):
         model, info = model

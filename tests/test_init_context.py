@@ -35,6 +35,14 @@ def dumps(workdir):
          "model_class": "tests.custom_models:MetaHostileLlamaForCausalLM", "out": os.path.join(workdir, "ctx_hostile.pt")},
         {"name": "forced_zero_init", "path": qwen, "dtype": "float32", "kwargs": {"init_context": "zero.Init"},
          "out": os.path.join(workdir, "ctx_forced.pt")},
+        # the script wraps the load in its own `with deepspeed.zero.Init(config_dict_or_path=...)`
+        {"name": "in_callers_zero_init", "path": qwen, "dtype": "bfloat16", "callers_zero_init": {},
+         "out": os.path.join(workdir, "ctx_callers.pt")},
+        {"name": "in_callers_zero_init_other_dtype", "path": llama, "dtype": "bfloat16",
+         "callers_zero_init": {"dtype": "float32"}, "out": os.path.join(workdir, "ctx_callers_fp32.pt")},
+        {"name": "meta_hostile_in_callers_zero_init", "path": llama, "dtype": "float32", "callers_zero_init": {},
+         "model_class": "tests.custom_models:MetaHostileLlamaForCausalLM",
+         "out": os.path.join(workdir, "ctx_callers_hostile.pt")},
     ]
     return {c["name"]: d for c, d in zip(cases, run_torchrun(2, cases, workdir))}
 
@@ -49,12 +57,14 @@ def test_zero2_loads_onto_the_device_with_transformers_and_trains(dumps, workdir
     assert len(got["losses"]) == 2
 
 
-def test_model_that_cannot_be_built_on_meta_falls_back_to_zero_init(dumps, workdir):
+@pytest.mark.parametrize("name", ["meta_hostile", "meta_hostile_in_callers_zero_init"])
+def test_model_that_cannot_be_built_on_meta_falls_back_to_zero_init(dumps, workdir, name):
+    """Inside the script's own zero.Init too: transformers' path nests in it, as without this library."""
     from safetensors.torch import load_file
 
     from tests.custom_models import MetaHostileLlamaForCausalLM
 
-    got = dumps["meta_hostile"]["rank0"]
+    got = dumps[name]["rank0"]
     assert "error" not in got, got.get("error", {}).get("traceback")
     assert got["report"]["init_context"] == "zero.Init"
     assert "cannot be built on meta" in got["report"]["reason"]
@@ -139,3 +149,26 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
         assert got["generation_config"] == plain.generation_config.to_dict()
     receiver = dumps[1]["ranks"][1]["report"]
     assert receiver["bytes_read"] == 0 and receiver["stream"]["bytes_received"] == receiver["bytes_to_read"] > 0
+
+
+def test_a_load_inside_the_callers_own_zero_init_context(dumps, workdir):
+    """`with deepspeed.zero.Init(config_dict_or_path=ds_config): from_pretrained(...)` (older scripts, DeepSpeed's
+    docs): its patched constructors partitioned the meta skeleton as it was built (a size-mismatch error from
+    transformers on every rank). The context is paused while the load builds its partitions, patches again after."""
+    got = dumps["in_callers_zero_init"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    assert got["report"]["init_context"] == "zero3-meta"
+    ref = _plain_state(os.path.join(workdir, "qwen3_moe"), torch.bfloat16)
+    assert set(got["state"]) == set(ref)
+    for name, expected in ref.items():
+        assert got["state"][name].dtype == expected.dtype and torch.equal(got["state"][name], expected), name
+    assert not any("zero.Init" in w for w in got["warnings"]), got["warnings"]
+
+
+def test_a_callers_zero_init_of_another_dtype_is_named_and_the_config_wins(dumps, workdir):
+    got = dumps["in_callers_zero_init_other_dtype"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    ref = _plain_state(os.path.join(workdir, "llama_untied"), torch.bfloat16)
+    for name, expected in ref.items():
+        assert got["state"][name].dtype == expected.dtype and torch.equal(got["state"][name], expected), name
+    assert any("deepspeed.zero.Init" in w and "torch.float32" in w for w in got["warnings"]), got["warnings"]
