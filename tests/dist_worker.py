@@ -36,6 +36,8 @@ def ds_config_for(dtype: str, extra: dict | None = None) -> dict:
     }
     if dtype == "bfloat16":
         config["bf16"] = {"enabled": True}
+    if dtype == "float16":  # V100/T4 users' engine (loads on CPU ranks; DeepSpeed's CPU accelerator cannot train it)
+        config["fp16"] = {"enabled": True}
     config.update(extra or {})
     return config
 
