@@ -60,7 +60,12 @@ class ComputedEntry:
 
 
 def _read_stored(reader, entry: TensorEntry, start: int, out: torch.Tensor) -> None:
-    """Stored elements from the file or a pickled checkpoint's tensor (`reader.read_stored`)."""
+    """Stored elements from the file or a pickled checkpoint's tensor (`reader.read_stored`); from a stream's bytes
+    where `reader` has a `read_stored` of its own (a reading rank records what a receiver replays, `streaming.py`)."""
+    stand_in = getattr(reader, "read_stored", None)
+    if stand_in is not None:
+        stand_in(entry, start, out)
+        return
     from .reader import read_stored  # imported here: reader -> planner -> ops -> this module
 
     read_stored(reader, entry, start, out)

@@ -12,9 +12,11 @@ shared filesystem) or should not (a filesystem so slow per client that one reade
    safetensors file as its real header followed by a hole) so transformers' own `from_pretrained` runs as usual.
 3. The plan is the same on both ends: a receiving rank plans its own partitions as if it read them, with
    `TensorPlan.byte_source` naming its reader; the reader builds the same plan for it (`plan_for`). Both cut it into
-   the same pieces and chunks (`StreamOrder`): files in name order, at most `chunk_bytes` per chunk. The reader
+   the same pieces and chunks (`stream_chunks`): files in name order, at most `chunk_bytes` per chunk. The reader
    reads a chunk into one of two staging buffers and sends it (`isend`) while it reads the next; the receiver
    copies each piece into its partition. No buffer is larger than `chunk_bytes`, and no tensor is ever whole.
+   Dequantized (FP8/MXFP4) pieces travel as the stored bytes their computation reads, recorded on the reader and
+   replayed on the receiver (`_pack_stored`, `_unpack_stored`), unless that is no smaller than their elements.
 4. Errors agree as everywhere else: each chunk is preceded by a status; a reader that fails sends "failed" to the
    ranks waiting on it and reports its error at the next agreement point; one that dies or stops is caught by the
    liveness verdict.
@@ -41,6 +43,10 @@ MODES = ("auto", "read", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
 SMALL_FILE_BYTES = 8 << 20  # non-weight files a reader hands over (config, generation config, index, code)
 OK, FAILED = 0, 1
+# How a chunk travels (the status's third field): each piece's elements as read, or, for a chunk holding dequantized
+# (FP8/MXFP4) pieces, the stored bytes they are computed from: the receiver computes them as a reader would. The
+# stored bytes are 0.25-0.5x the elements; a chunk goes as elements where they are not fewer.
+ELEMENTS, STORED = 0, 1
 
 
 # -- who can read ----------------------------------------------------------------------------------------------------
@@ -375,8 +381,58 @@ def _split(item: ReadItem, chunk_bytes: int):
 
 
 def stream_bytes(plan: LoadPlan) -> int:
-    """The bytes a stream of `plan` carries: its elements as read (dequantized elements for FP8/MXFP4 entries)."""
-    return sum(i.numel * i.src_dtype.itemsize for t in plan.tensors.values() if t.status == "load" for i in t.reads)
+    """The bytes a stream of `plan` carries: its elements as read; for FP8/MXFP4 entries the stored bytes behind
+    them (an estimate: a run also carries the whole scales it touches)."""
+    return sum(i.stored_bytes if _computed(i) else i.numel * i.src_dtype.itemsize
+               for t in plan.tensors.values() if t.status == "load" for i in t.reads)
+
+
+def _computed(item: ReadItem) -> bool:
+    """A dequantized tensor's item: computed from stored bytes, not read as it is."""
+    return item.stored_bytes_per_element > 0
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // 8) * 8  # each piece 8-byte aligned, so it can be viewed as its dtype
+
+
+class _ChunkFull(Exception):
+    pass
+
+
+class _RecordingReader:
+    """Stands in for the file reader while a reading rank computes a dequantized piece: each stored read the
+    computation makes is also appended to the chunk, for the receiver to replay (`_ReplayingReader`)."""
+
+    def __init__(self, reader, buf: torch.Tensor, start: int):
+        self.reader, self.buf, self.end = reader, buf, start
+
+    def read_stored(self, entry, start: int, out: torch.Tensor) -> None:
+        from .reader import read_stored
+
+        read_stored(self.reader, entry, start, out)
+        n = out.numel() * out.element_size()
+        if self.end + n > self.buf.numel():
+            raise _ChunkFull
+        if n:
+            self.buf[self.end:self.end + n].copy_(out.reshape(-1).view(torch.uint8))
+        self.end += n
+
+
+class _ReplayingReader:
+    """Serves a receiving rank's computation the stored reads its reader recorded, in the same order (the
+    computation is deterministic: the same box asks for the same reads)."""
+
+    def __init__(self, data: torch.Tensor, start: int):
+        self.data, self.end = data, start
+
+    def read_stored(self, entry, start: int, out: torch.Tensor) -> None:
+        n = out.numel() * out.element_size()
+        if self.end + n > self.data.numel():
+            raise LoaderError(f"internal error: the stream ran out of the stored bytes of {entry.key}")
+        if n:
+            out.reshape(-1).view(torch.uint8).copy_(self.data[self.end:self.end + n])
+        self.end += n
 
 
 def _largest_chunk(chunk_lists) -> int:
@@ -399,6 +455,7 @@ class Streamer:
         self.largest_buffer = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.chunks_sent = {"elements": 0, "stored bytes": 0}  # by form
 
     def _buffer(self, nbytes: int, device=None) -> torch.Tensor:
         self.largest_buffer = max(self.largest_buffer, nbytes)
@@ -426,16 +483,12 @@ class Streamer:
                         for work in in_flight[turn][:2]:
                             work.wait()
                         buf = buffers[turn]
-                        for piece in chunk:
-                            view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
-                            execute_read(file_reader, piece.source(), checkpoint.entry(piece.item.key), view,
-                                         staging_bytes=self.chunk_bytes)
-                        size = _chunk_size(chunk)
+                        size, form, sent = self._pack(chunk, buf, checkpoint, file_reader)
                         payload = buf[:size] if self.device.type == "cpu" else buf[:size].to(self.device)
-                        status = torch.tensor([OK, size], dtype=torch.int64, device=self.device)
+                        status = torch.tensor([OK, size, form], dtype=torch.int64, device=self.device)
                         in_flight[turn] = [dist.isend(status, rank), dist.isend(payload, rank), status, payload]
-                        sent = sum(p.nbytes for p in chunk)  # checkpoint bytes, not the padding
                         self.bytes_sent += sent
+                        self.chunks_sent["stored bytes" if form == STORED else "elements"] += 1
                         remaining[rank] -= 1
                         if progress is not None:
                             progress(sent)
@@ -446,38 +499,106 @@ class Streamer:
         except BaseException:
             for rank in sorted(r for r, left in remaining.items() if left):  # it waits for a status: tell it
                 try:
-                    dist.send(torch.tensor([FAILED, 0], dtype=torch.int64, device=self.device), rank)
+                    dist.send(torch.tensor([FAILED, 0, 0], dtype=torch.int64, device=self.device), rank)
                 except Exception:
                     pass
             raise
 
-    def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor], progress=None) -> None:
-        """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`)."""
+    def _pack(self, chunk: list[Piece], buf: torch.Tensor, checkpoint: Checkpoint, file_reader) -> tuple[int, int, int]:
+        """Fill `buf` with one chunk: (its size, its form, the checkpoint bytes in it, padding aside)."""
+        from .reader import execute_read
+
+        if any(_computed(p.item) for p in chunk):
+            packed = self._pack_stored(chunk, buf, checkpoint, file_reader)
+            if packed is not None:
+                return packed[0], STORED, packed[1]
+        for piece in chunk:
+            view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+            execute_read(file_reader, piece.source(), checkpoint.entry(piece.item.key), view,
+                         staging_bytes=self.chunk_bytes)
+        return _chunk_size(chunk), ELEMENTS, sum(p.nbytes for p in chunk)
+
+    def _pack_stored(self, chunk: list[Piece], buf: torch.Tensor, checkpoint: Checkpoint, file_reader):
+        """The chunk with its dequantized pieces as the stored bytes they are computed from, one piece after the
+        other; None where that is no smaller than the chunk's elements (a piece of a few elements still carries the
+        whole scales it touches), or does not fit the buffer."""
+        from .reader import execute_read
+
+        end, payload = 0, 0
+        for piece in chunk:
+            start, item, entry = _aligned(end), piece.source(), checkpoint.entry(piece.item.key)
+            if _computed(piece.item):
+                recorder = _RecordingReader(file_reader, buf, start)
+                try:
+                    entry.read_box(recorder, item.src_offset, item.rows, item.cols, item.row_stride)
+                except _ChunkFull:
+                    return None
+                end = recorder.end
+            else:
+                end = start + piece.nbytes
+                if end > buf.numel():
+                    return None
+                execute_read(file_reader, item, entry, buf[start:end].view(item.src_dtype),
+                             staging_bytes=self.chunk_bytes)
+            payload += end - start
+        return (end, payload) if end < _chunk_size(chunk) else None
+
+    def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor], checkpoint: Checkpoint,
+                progress=None) -> None:
+        """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`);
+        `checkpoint` computes the dequantized pieces of chunks that come as stored bytes."""
         stream = stream_chunks(plan, self.chunk_bytes)
         buf = self._buffer(_largest_chunk(chunks for _, chunks in stream))
-        status = torch.empty(2, dtype=torch.int64, device=self.device)
+        status = torch.empty(3, dtype=torch.int64, device=self.device)
         for _, chunks in stream:
             for chunk in chunks:
-                self._receive_chunk(buf, status, source, chunk, "streams this rank's checkpoint bytes")
-                for piece in chunk:
-                    data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
-                    piece.place(data, destinations[piece.tensor])
+                size, form = self._receive_chunk(buf, status, source, chunk, "streams this rank's checkpoint bytes")
+                if form == STORED:
+                    received = self._unpack_stored(chunk, buf[:size].cpu(), checkpoint, destinations)
+                else:
+                    for piece in chunk:
+                        data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+                        piece.place(data, destinations[piece.tensor])
+                    received = sum(p.nbytes for p in chunk)
+                self.bytes_received += received
                 if progress is not None:
-                    progress(sum(p.nbytes for p in chunk))
+                    progress(received)
 
-    def _receive_chunk(self, buf: torch.Tensor, status: torch.Tensor, source: int, chunk: list, role: str) -> int:
-        """One chunk from `source` into the start of `buf`, after its status; returns its size in bytes."""
+    @staticmethod
+    def _unpack_stored(chunk: list[Piece], data: torch.Tensor, checkpoint: Checkpoint, destinations) -> int:
+        """`_pack_stored` undone: each dequantized piece computed from its stored bytes, as its reader would have;
+        returns the checkpoint bytes the chunk held."""
+        end, payload = 0, 0
+        for piece in chunk:
+            start, item = _aligned(end), piece.source()
+            if _computed(piece.item):
+                replay = _ReplayingReader(data, start)
+                box = checkpoint.entry(piece.item.key).read_box(replay, item.src_offset, item.rows, item.cols,
+                                                                item.row_stride)
+                piece.place(box.reshape(-1), destinations[piece.tensor])
+                end = replay.end
+            else:
+                end = start + piece.nbytes
+                piece.place(data[start:end].view(item.src_dtype), destinations[piece.tensor])
+            payload += end - start
+        if end != data.numel():
+            raise LoaderError(f"internal error: a chunk of {data.numel()} bytes held {end} bytes of its pieces")
+        return payload
+
+    def _receive_chunk(self, buf: torch.Tensor, status: torch.Tensor, source: int, chunk: list,
+                       role: str) -> tuple[int, int]:
+        """One chunk from `source` into the start of `buf`, after its status; returns its size in bytes and form."""
         import torch.distributed as dist
 
         dist.recv(status, source)
         if int(status[0]) != OK:
             raise PeerFailed(f"rank {source}, which {role}, failed")
-        size = _chunk_size(chunk)
-        if int(status[1]) != size:
-            raise LoaderError(f"internal error: rank {source} sent {int(status[1])} bytes, {size} expected")
+        size, form = int(status[1]), int(status[2])
+        expected = _chunk_size(chunk)
+        if size > expected or (form == ELEMENTS and size != expected) or form not in (ELEMENTS, STORED):
+            raise LoaderError(f"internal error: rank {source} sent {size} bytes (form {form}), {expected} expected")
         dist.recv(buf[:size], source)
-        self.bytes_received += sum(p.nbytes for p in chunk)
-        return size
+        return size, form
 
     # -- a save: the same pieces and chunks, flowing the other way ----------------------------------------------------
 
@@ -500,7 +621,7 @@ class Streamer:
                         view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
                         piece.pack(partitions[piece.tensor].to(self.device), view)
                     size = _chunk_size(chunk)
-                    status = torch.tensor([OK, size], dtype=torch.int64, device=self.device)
+                    status = torch.tensor([OK, size, ELEMENTS], dtype=torch.int64, device=self.device)
                     between_chunks = False
                     in_flight[turn] = [dist.isend(status, sink), dist.isend(buf[:size], sink), status]
                     between_chunks = True
@@ -512,7 +633,7 @@ class Streamer:
         except BaseException:
             if between_chunks:  # the sink waits for a status: tell it
                 try:
-                    dist.send(torch.tensor([FAILED, 0], dtype=torch.int64, device=self.device), sink)
+                    dist.send(torch.tensor([FAILED, 0, 0], dtype=torch.int64, device=self.device), sink)
                 except Exception:
                     pass
             raise
@@ -523,11 +644,12 @@ class Streamer:
 
         streams = {source: stream_chunks(plans[source], self.chunk_bytes) for source in plans}
         buf = self._buffer(_largest_chunk(chunks for stream in streams.values() for _, chunks in stream))
-        status = torch.empty(2, dtype=torch.int64, device=self.device)
+        status = torch.empty(3, dtype=torch.int64, device=self.device)
         for source in sorted(plans):
             for _, chunks in streams[source]:
                 for chunk in chunks:
-                    size = self._receive_chunk(buf, status, source, chunk, "streams its partitions to this rank")
+                    size, _ = self._receive_chunk(buf, status, source, chunk, "streams its partitions to this rank")
+                    self.bytes_received += sum(p.nbytes for p in chunk)
                     data = buf[:size].cpu()
                     for piece in chunk:
                         item = piece.source()

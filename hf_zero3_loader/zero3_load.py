@@ -169,11 +169,12 @@ class Zero3Load:
             if rank in layout.source_of:
                 with tqdm(total=stream_bytes(plan), unit="B", unit_scale=True, desc="Receiving ZeRO-3 partitions",
                           disable=rank != 0) as bar:
-                    streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations},
+                    streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations}, checkpoint,
                                      progress=bar.update)
         self.report.stream = {**layout.summary(rank), "bytes_sent": streamer.bytes_sent,
                               "bytes_received": streamer.bytes_received,
-                              "largest_stream_buffer_bytes": streamer.largest_buffer}
+                              "largest_stream_buffer_bytes": streamer.largest_buffer,
+                              "chunks_sent": streamer.chunks_sent}
 
     def _open_checkpoint(self, checkpoint_files, load_config):
         if not checkpoint_files:

@@ -71,6 +71,8 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
     os.makedirs(d, exist_ok=True)
     # FP8: ours, transformers' ZeRO-3 path (both dequantizing), and the plain single-process load on rank 0
     variants = ("ours", "upstream") if ep else ("ours", "upstream", "plain") if fp8 else VARIANTS[:4] if stream else VARIANTS[:3]
+    if fp8 and stream:  # FP8 streamed: the receivers get the stored bytes and dequantize them
+        variants += ("stream",)
     if state_dict:  # in memory before the window: no read floor
         variants = ("ours", "upstream")
     if not upstream:

@@ -108,6 +108,13 @@ def dumps(ckpts, workdir, world_size):
             for case in cases:
                 if case["name"] in SAVED:
                     case["save"] = {"dir": os.path.join(workdir, "quant_saved", case["name"].replace(" ", "_"))}
+            by_name = {c["name"]: c for c in cases}
+            for name, chunk in STREAMED:  # rank 1 without the files: streamed by rank 0
+                case = by_name[name]
+                kwargs = {**case["kwargs"], **({"stream_chunk_bytes": chunk} if chunk else {})}
+                cases.append({**case, "name": f"streamed {name} {chunk or 'default'}", "kwargs": kwargs,
+                              "path_by_rank": {"1": os.path.join(workdir, "quant", "not_on_this_rank")},
+                              "out": case["out"].replace(".pt", f"_streamed_{chunk}.pt")})
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
     return _dumps[world_size]
 
@@ -123,6 +130,29 @@ def plain(path: str, quant: tuple | None, model_class: str) -> dict:
 
 
 SAVED = ("fp8 deepseek_v3", "fp8 llama 128x64", "mxfp4 gpt_oss")
+# (case, stream_chunk_bytes or None for the default) loaded at 3 ranks with rank 1 streamed its bytes
+STREAMED = (("fp8 deepseek_v3", None), ("mxfp4 gpt_oss", None), ("fp8 llama 128x64", 4096), ("mxfp4 gpt_oss", 2048))
+
+
+def test_a_rank_without_the_files_is_streamed_the_stored_bytes_and_dequantizes_them(ckpts, workdir):
+    """A receiving rank gets the FP8/MXFP4 bytes and scales its reads would have fetched (0.5x and 0.27x the
+    dequantized bf16 elements here), and computes its partitions from them as a reader does: bit-exact (the test
+    above), the same bytes as its own reads. A chunk of a few elements whose stored bytes are no fewer (the whole
+    scales a run touches, MXFP4's 32-value blocks) goes as elements."""
+    runs = {case["name"]: dump for case, dump in dumps(ckpts, workdir, 3)}
+    for name, chunk in STREAMED:
+        streamed = runs[f"streamed {name} {chunk or 'default'}"]
+        reader, receiver = streamed["ranks"][0], streamed["ranks"][1]
+        stream = receiver["report"]["stream"]
+        assert stream["receives_from"] == 0 and receiver["report"]["bytes_read"] == 0, (name, stream)
+        assert reader["report"]["stream"]["bytes_sent"] == stream["bytes_received"]
+        forms = reader["report"]["stream"]["chunks_sent"]
+        assert forms["stored bytes"] > 0, (name, forms)
+        assert reader["report"]["stream"]["largest_stream_buffer_bytes"] <= (chunk or 64 << 20)
+        if chunk is None:  # whole items in each chunk: exactly what rank 1 reads when it has the files
+            assert stream["bytes_received"] == runs[name]["ranks"][1]["report"]["bytes_read"], name
+        if chunk == 2048:  # some of its chunks fall back to elements
+            assert forms["elements"] > 0, forms
 
 
 def test_a_dequantized_model_saves_its_dequantized_weights_in_the_checkpoints_layout(ckpts, workdir):
