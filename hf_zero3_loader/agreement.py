@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from . import errors
+from . import errors, log
 
 DEFAULT_JOIN_TIMEOUT_S = 300.0
 DEFAULT_LIVENESS_TIMEOUT_S = 30.0
@@ -181,6 +181,7 @@ class Agreement:
         0.2-0.3 s on a 0.1 s plan skew). The cap grows with the world: from 500 ranks on, rank 0's store sees at
         most 5 polls (two checks each) per waiting rank per second."""
         delay, cap = 0.001, min(0.2, max(0.01, self.world_size / 2500))
+        started, note_at = time.monotonic(), self.liveness_s
         while True:
             if self.store.check([key]):
                 return
@@ -188,6 +189,27 @@ class Agreement:
                 raise self._lost(phase, self.store.get(f"{self.prefix}/verdict").decode())
             time.sleep(delay)
             delay = min(delay * 1.5, cap)
+            waited = time.monotonic() - started
+            if waited >= note_at:  # a long wait says where it is, as progress would: hangs are then readable
+                self._note_waiting(key.rsplit("/", 1)[0], phase, waited)
+                note_at += 2 * self.liveness_s
+
+    def _note_waiting(self, point: str, phase: str, waited: float) -> None:
+        arrived = int(self.store.add(f"{point}/arrived", 0))
+        not_started = []
+        if self.rank == 0:  # its heartbeat watches every rank: name those that have not started this load
+            for r in range(1, self.world_size):
+                value = self.store.get(f"{_ALIVE}/{r}").decode() if self.store.check([f"{_ALIVE}/{r}"]) else ""
+                if int(value.split(":")[0] if value else -1) < self.load_no:
+                    not_started.append(r)
+        log.warning(
+            "rank %d has waited %.0fs at '%s' for the other ranks (%d of %d are there)%s. A rank that is alive is "
+            "waited for; one that stops answering for %.0fs fails the load on every rank (liveness_timeout_s).",
+            self.rank, waited, phase, arrived, self.world_size,
+            f"; not started this load yet: ranks {', '.join(map(str, not_started[:8]))}"
+            f"{' and more' if len(not_started) > 8 else ''} (waited for up to {self.join_timeout_s:.0f}s: "
+            "loading and saving are collective, every rank must call them)" if not_started else "",
+            self.liveness_s)
 
     def check(self, phase: str, error: BaseException | None = None, same: dict | None = None,
               differs: str = "are not loading the same checkpoint", error_type: type = errors.CheckpointError) -> None:

@@ -295,6 +295,7 @@ def run_case(case: dict) -> dict:
         other_dtype = case["callers_zero_init"].get("dtype")  # its config another dtype's (else the load's own)
         callers_zero_init = deepspeed.zero.Init(
             config_dict_or_path=ds_config_for(other_dtype) if other_dtype else ds_config)
+    result["warnings"] = warnings.messages  # the loader's warnings on this rank, filled as they come
     try:
         with counter, largest, warnings, callers_zero_init:
             model = load()
@@ -305,7 +306,6 @@ def run_case(case: dict) -> dict:
                            "seconds": time.monotonic() - started}
         return result
     undo_fault()
-    result["warnings"] = warnings.messages
     info = None
     if isinstance(model, tuple):
         model, info = model

@@ -109,6 +109,27 @@ def test_a_slow_but_live_rank_is_waited_for(workdir):
     for r in ranks:
         assert "error" not in r, r.get("error")
         assert r["report"]["seconds"] >= slow - 1  # rank 0 waited for rank 1 at the agreement point
+    # a wait longer than the liveness bound says where it is (a hang is then readable in the logs)
+    notes = [w for w in ranks[0]["warnings"] if w.startswith("rank 0 has waited")]
+    assert notes and "(1 of 2 are there)" in notes[0] and "not started" not in notes[0], ranks[0]["warnings"]
+
+
+def test_a_rank_that_never_joins_is_named_while_waited_for_and_fails_the_load(workdir):
+    """Rank 1 given a ZeRO-2 config loads without ZeRO-3 and never joins: rank 0 names it while it waits, and fails
+    with the reason when the join timeout ends (a rank-0-only call looks the same)."""
+    from tests.dist_worker import ds_config_for
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    zero2 = {**ds_config_for("float32"), "zero_optimization": {"stage": 2}}
+    case = {"name": "never_joins", "path": path, "dtype": "float32", "ds_config_by_rank": {"1": zero2},
+            "kwargs": {"liveness_timeout_s": LIVENESS_S, "agreement_timeout_s": LIVENESS_S + 5},
+            "out": os.path.join(workdir, "never_joins.pt")}
+    (dump,) = run_torchrun(2, [case], workdir, timeout=240)
+    error = dump["rank0"]["error"]
+    assert "rank 1 did not start this load or save" in error["message"], error["message"]
+    assert error["seconds"] < LIVENESS_S + 5 + MARGIN_S, error
+    notes = [w for w in dump["rank0"]["warnings"] if w.startswith("rank 0 has waited")]
+    assert notes and "not started this load yet: ranks 1 " in notes[0], dump["rank0"]["warnings"]
 
 
 # -- reads stop at once --------------------------------------------------------------------------------------------
