@@ -32,7 +32,7 @@ from .reader import default_io_threads
 from .report import LoadReport, attach
 from .staging import DEFAULT_STAGING_BYTES, check_budget
 from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers, find_state_dict_holders
-from .zero3_load import Zero3Load, local_device
+from .zero3_load import TransformersPathNeeded, Zero3Load, local_device
 
 __all__ = ["LoadReport", "from_pretrained"]
 
@@ -298,15 +298,24 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
         raise
     except Exception as e:
         error = e
-    cannot_build_on_meta = (error is not None and not hooks.reached_load and init_context == "auto"
-                            and "meta" in str(error).lower())
-    agreement.check("finish load", None if cannot_build_on_meta else error)
-    if cannot_build_on_meta:
+    fallback = None  # why this load is transformers' own ZeRO-3 path after all
+    if error is not None and not hooks.reached_load and init_context == "auto" and "meta" in str(error).lower():
+        fallback = f"the model cannot be built on meta ({type(error).__name__}: {error})"
+    elif isinstance(error, TransformersPathNeeded):
+        fallback = str(error)
+        if init_context != "auto" or ep_request is not None:
+            error = ConfigError(f"{fallback}: only transformers' own ZeRO-3 path (zero.Init) loads such weights, "
+                                f"which init_context={init_context!r}" + (" and expert parallelism" if ep_request
+                                                                           is not None else "") + " rule out")
+            fallback = None
+    # a rank taking transformers' path says so at this point; the others must be at it too, for the same reason
+    agreement.check("finish load", None if fallback else error,
+                    same={"transformers' ZeRO-3 path": fallback is not None})
+    if fallback:
         if stream is not None:
-            raise ConfigError("this model cannot be built on meta, and transformers' zero.Init path needs the "
-                              "checkpoint on every rank: give every rank the files, or load_from='read'")
-        return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement,
-                                    f"the model cannot be built on meta ({type(error).__name__}: {error})")
+            raise ConfigError(f"{fallback}; transformers' zero.Init path needs the checkpoint on every rank: give "
+                              "every rank the files, or load_from='read'")
+        return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, fallback)
     target = model[0] if isinstance(model, tuple) else model
     if path != original_path:  # loaded from a stub folder: name the checkpoint as the user did
         target.config._name_or_path = str(original_path)

@@ -41,6 +41,15 @@ def local_device() -> torch.device:
     return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
+# quantizers whose weights this loader dequantizes on read: kept quantized they are refused with what to pass
+DEQUANTIZE_HINTS = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)",
+                    "gguf": "GgufConfig(dequantize=True)"}
+
+
+class TransformersPathNeeded(Exception):
+    """Raised on every rank before anything is read: this load is transformers' own ZeRO-3 path (the reason)."""
+
+
 class Zero3Load:
     """The two transformers hooks for one ZeRO-3 load, sharing state through `self`."""
 
@@ -66,7 +75,10 @@ class Zero3Load:
         self.reached_load = True  # the meta skeleton was built
         info, error = None, None
         try:
+            self._check_quantizer(load_config.hf_quantizer)
             info = self._load(model, state_dict, checkpoint_files, load_config)
+        except TransformersPathNeeded:  # on every rank (the same arguments): the loader takes transformers' path
+            raise
         except Exception as e:  # agree before anyone enters a DeepSpeed collective
             error = e
         with self.report.phase("agree"):
@@ -86,7 +98,6 @@ class Zero3Load:
         return result
 
     def _load(self, model, state_dict, checkpoint_files, load_config):
-        self._refuse_kept_quantized(load_config.hf_quantizer)
         with self.report.phase("plan"):
             checkpoint = (checkpoint_from_state_dict(state_dict, streamed=self.stream is not None)
                           if state_dict is not None else self._open_checkpoint(checkpoint_files, load_config))
@@ -190,16 +201,19 @@ class Zero3Load:
         return checkpoint
 
     @staticmethod
-    def _refuse_kept_quantized(quantizer) -> None:
-        """Quantized checkpoints load dequantized (each rank dequantizes its own partition, `dequantize.py`); weights
-        kept quantized cannot be ZeRO-3 partitions that DeepSpeed trains."""
+    def _check_quantizer(quantizer) -> None:
+        """FP8 and MXFP4 checkpoints load dequantized (each rank dequantizes its own partition, `dequantize.py`); kept
+        quantized they cannot be ZeRO-3 partitions that DeepSpeed trains. Other quantizers that keep the weights
+        quantized (bitsandbytes 4-bit for QLoRA, whose `bnb_4bit_quant_storage` in the engine dtype lets zero.Init
+        partition them) are transformers' own ZeRO-3 path, taken as without this library."""
         if (quantizer is None or getattr(quantizer.quantization_config, "dequantize", False)
                 or hf_private.state_dict_is_dequantized(quantizer)):
             return
         method = getattr(quantizer.quantization_config, "quant_method", "?")
-        hint = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)",
-                "gguf": "GgufConfig(dequantize=True)"}.get(
-            str(getattr(method, "value", method)), "the quantization config with dequantize=True, if it has one")
+        method = str(getattr(method, "value", method))
+        hint = DEQUANTIZE_HINTS.get(method)
+        if hint is None:
+            raise TransformersPathNeeded(f"{type(quantizer).__name__} ({method}) keeps the weights quantized")
         raise ConfigError(f"{type(quantizer).__name__}: keeping the weights quantized is not supported under DeepSpeed "
                           f"ZeRO-3 (it partitions and trains dequantized weights); pass quantization_config={hint} to "
                           "dequantize them while loading")

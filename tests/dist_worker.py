@@ -179,6 +179,10 @@ def quantization_config(spec: dict):
     """transformers' quantization config object for a JSON spec, as a user passes it to from_pretrained."""
     import transformers
 
+    if spec["quant_method"] == "bitsandbytes_4bit":  # QLoRA: NF4 weights kept quantized, stored in the engine dtype
+        return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_compute_dtype=torch.bfloat16,
+                                               bnb_4bit_quant_storage=torch.bfloat16)
     classes = {"fp8": transformers.FineGrainedFP8Config, "mxfp4": transformers.Mxfp4Config}
     return classes[spec["quant_method"]](dequantize=spec.get("dequantize", False))
 
