@@ -292,6 +292,8 @@ def apply_converter(converter: cml.WeightTransform, layer_name: str, ctx: dict[s
             raise UnsupportedConversionError(
                 f"conversion op {type(op).__name__} (model type {ctx['model_type']!r}, parameter {layer_name}) "
                 "has no shard-on-read rule; supported: " + ", ".join(sorted(c.__name__ for c in RULES))
+                + ". init_context='zero.Init' loads it through transformers' own ZeRO-3 path (rank 0 reads the "
+                "checkpoint and broadcasts every parameter)"
             )
         value = rule(op, value, converter.source_patterns, converter.target_patterns, {**ctx, "full_layer_name": layer_name})
     # Same prefix/suffix expansion as WeightConverter.convert
