@@ -109,7 +109,7 @@ def callers_zero_init_paused():
     from deepspeed.runtime.zero import partition_parameters
 
     outer = partition_parameters.top_level_context if partition_parameters.zero_init_context > 0 else None
-    if outer is None:
+    if outer is None or not getattr(outer, "patched", False):  # none, or paused already (by an outer caller)
         yield None
         return
     partition_parameters.shutdown_init_context()

@@ -202,7 +202,8 @@ class Agreement:
                 value = self.store.get(f"{_ALIVE}/{r}").decode() if self.store.check([f"{_ALIVE}/{r}"]) else ""
                 if int(value.split(":")[0] if value else -1) < self.load_no:
                     not_started.append(r)
-        log.warning(
+        # rank 0 says it (every rank at 512 ranks would be 500 lines a minute); the others at debug level
+        (log.warning if self.rank == 0 else log.debug)(
             "rank %d has waited %.0fs at '%s' for the other ranks (%d of %d are there)%s. A rank that is alive is "
             "waited for; one that stops answering for %.0fs fails the load on every rank (liveness_timeout_s).",
             self.rank, waited, phase, arrived, self.world_size,

@@ -55,7 +55,30 @@ class ComputedEntry:
             self.read_run(reader, src_offset + r * row_stride, out[r])
         return out
 
+    def stored_reads(self, src_offset: int, rows: int, cols: int, row_stride: int):
+        """(stored entry, first element, count) of every read `read_box` makes for this box, in its order, without
+        reading or computing: a reading rank streams exactly these bytes and the receiver computes the box from them
+        (`streaming.py`). Both follow the same steps (`_steps`), so the two cannot drift apart."""
+        for r in range(rows):
+            for step in self._steps(src_offset + r * row_stride, cols):
+                yield from self._reads(step)
+
     def read_run(self, reader, start: int, out: torch.Tensor) -> None:
+        """Elements [start, start + out.numel()) of the computed tensor, step by step."""
+        for step in self._steps(start, out.numel()):
+            inputs = []
+            for entry, first, count in self._reads(step):
+                inputs.append(_read_flat(reader, entry, first, count))
+            self._compute(step, inputs, out)
+
+    def _steps(self, start: int, n: int):
+        """The steps computing elements [start, start + n): each what `_reads` and `_compute` need."""
+        raise NotImplementedError
+
+    def _reads(self, step) -> list[tuple[TensorEntry, int, int]]:
+        raise NotImplementedError
+
+    def _compute(self, step, inputs: list[torch.Tensor], out: torch.Tensor) -> None:
         raise NotImplementedError
 
 
@@ -88,30 +111,43 @@ class Fp8Dequantized(ComputedEntry):
     def inputs(self):
         return [self.weight, self.scale]
 
-    def read_run(self, reader, start: int, out: torch.Tensor) -> None:
-        """Elements [start, start + n) of the dequantized weight, whole matrix rows at a time where the run allows."""
+    def _grid(self):
         rows, cols = self.weight.shape[-2:]
         scale_rows, scale_cols = self.scale.shape[-2:] if len(self.scale.shape) >= 2 else (1, 1)
-        block_m, block_n = rows // scale_rows, cols // scale_cols
+        return rows, cols, scale_cols, rows // scale_rows, cols // scale_cols, scale_rows
+
+    def _steps(self, start: int, n: int):
+        """Whole matrix rows at a time where the run allows: a partial row first (a run that starts mid-row), then as
+        many whole rows as fit in one step. Each step: (done, take, flat, scale_row, lo, hi): `take` elements from
+        flat index `flat`, each row's scale-grid row, and the scale-grid rows [lo, hi) they use."""
+        rows, cols, _, block_m, _, scale_rows = self._grid()
         step = max(cols, (CHUNK_ELEMENTS // cols) * cols)
-        done, n = 0, out.numel()
+        done = 0
         while done < n:
             flat = start + done
-            # a partial row first (a run that starts mid-row), then as many whole rows as fit in one step
             take = min(n - done, cols - flat % cols if flat % cols else step)
             first_row, last_row = flat // cols, (flat + take - 1) // cols  # global rows (matrix * rows + row)
-            q = _read_flat(reader, self.weight, flat, take).to(torch.float32)
             matrices = torch.arange(first_row, last_row + 1) // rows
             scale_row = matrices * scale_rows + (torch.arange(first_row, last_row + 1) % rows) // block_m
             lo, hi = int(scale_row.min()), int(scale_row.max()) + 1
-            scales = _read_flat(reader, self.scale, lo * scale_cols, (hi - lo) * scale_cols).view(hi - lo, scale_cols)
-            s = (scales.to(torch.float32) - 127.0).exp2() if scales.dtype == torch.uint8 else scales.to(torch.float32)
-            # each row's scales, each repeated over its block of columns: [rows in this step, cols]
-            per_row = s[scale_row - lo].repeat_interleave(block_n, dim=1)
-            col0 = flat % cols
-            per_element = per_row.reshape(-1)[col0:col0 + take]
-            out[done:done + take] = (q * per_element).to(self.dtype)
+            yield done, take, flat, scale_row, lo, hi
             done += take
+
+    def _reads(self, step):
+        _, take, flat, _, lo, hi = step
+        scale_cols = self._grid()[2]
+        return [(self.weight, flat, take), (self.scale, lo * scale_cols, (hi - lo) * scale_cols)]
+
+    def _compute(self, step, inputs, out):
+        done, take, flat, scale_row, lo, hi = step
+        _, cols, scale_cols, _, block_n, _ = self._grid()
+        q, scales = inputs[0].to(torch.float32), inputs[1].view(hi - lo, scale_cols)
+        s = (scales.to(torch.float32) - 127.0).exp2() if scales.dtype == torch.uint8 else scales.to(torch.float32)
+        # each row's scales, each repeated over its block of columns: [rows in this step, cols]
+        per_row = s[scale_row - lo].repeat_interleave(block_n, dim=1)
+        col0 = flat % cols
+        per_element = per_row.reshape(-1)[col0:col0 + take]
+        out[done:done + take] = (q * per_element).to(self.dtype)
 
 
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -128,38 +164,47 @@ class Mxfp4Dequantized(ComputedEntry):
     def inputs(self):
         return [self.blocks, self.scales]
 
-    def read_run(self, reader, start: int, out: torch.Tensor) -> None:
+    def _steps(self, start: int, n: int):
+        """Per step the output rows [h0, h1) of one expert that the run touches, from the groups [g0, g1) of 32
+        values: (done, take, e, g0, g1, h0, h1, offset)."""
         experts, width, height = self.shape  # output [E, G*32, R]
-        _, rows, groups, block_bytes = self.blocks.shape
-        done, n = 0, out.numel()
+        block_bytes = self.blocks.shape[3]
+        done = 0
         while done < n:
             flat = start + done
             e, rem = divmod(flat, width * height)
             h0 = rem // height
             h1 = min(width, (rem + (n - done) - 1) // height + 1)  # output rows [h0, h1) of expert e touched
             g0, g1 = h0 // (2 * block_bytes), (h1 - 1) // (2 * block_bytes) + 1
-            values = self._dequantize(reader, e, g0, g1, rows, groups, block_bytes)  # [R, (g1-g0)*32]
-            part = values[:, h0 - g0 * 2 * block_bytes:h1 - g0 * 2 * block_bytes].t().reshape(-1)  # [h, R] flat
             offset = rem - h0 * height
-            take = min(n - done, part.numel() - offset)
-            out[done:done + take] = part[offset:offset + take]
+            take = min(n - done, (h1 - h0) * height - offset)
+            yield done, take, e, g0, g1, h0, h1, offset
             done += take
 
-    def _dequantize(self, reader, e, g0, g1, rows, groups, block_bytes) -> torch.Tensor:
-        count = g1 - g0
-        blocks = torch.empty(rows, count, block_bytes, dtype=torch.uint8)
-        scales = torch.empty(rows, count, dtype=torch.uint8)
-        for r in range(rows):  # one row of blocks and of scales per R row: `count` groups each
+    def _reads(self, step):
+        """One row of blocks and of scales per R row: `g1 - g0` groups each."""
+        _, _, e, g0, g1, _, _, _ = step
+        _, rows, groups, block_bytes = self.blocks.shape
+        count, reads = g1 - g0, []
+        for r in range(rows):
             base = (e * rows + r) * groups + g0
-            _read_stored(reader, self.blocks, base * block_bytes, blocks[r].view(-1))
-            _read_stored(reader, self.scales, base, scales[r])
+            reads += [(self.blocks, base * block_bytes, count * block_bytes), (self.scales, base, count)]
+        return reads
+
+    def _compute(self, step, inputs, out):
+        done, take, _, g0, g1, h0, h1, offset = step
+        _, rows, _, block_bytes = self.blocks.shape
+        count = g1 - g0
+        blocks = torch.stack(inputs[0::2]).view(rows * count, block_bytes)
+        scales = torch.stack(inputs[1::2]).view(rows * count, 1)
         lut = torch.tensor(FP4_VALUES, dtype=self.dtype)
         sub = torch.empty(rows * count, block_bytes * 2, dtype=self.dtype)
-        flat_blocks = blocks.reshape(rows * count, block_bytes)
-        sub[:, 0::2] = lut[(flat_blocks & 0x0F).to(torch.int)]
-        sub[:, 1::2] = lut[(flat_blocks >> 4).to(torch.int)]
-        torch.ldexp(sub, scales.reshape(rows * count, 1).to(torch.int32) - 127, out=sub)
-        return sub.reshape(rows, count * block_bytes * 2)
+        sub[:, 0::2] = lut[(blocks & 0x0F).to(torch.int)]
+        sub[:, 1::2] = lut[(blocks >> 4).to(torch.int)]
+        torch.ldexp(sub, scales.to(torch.int32) - 127, out=sub)
+        values = sub.reshape(rows, count * block_bytes * 2)  # [R, (g1-g0)*32]
+        part = values[:, h0 - g0 * 2 * block_bytes:h1 - g0 * 2 * block_bytes].t().reshape(-1)  # [h, R] flat
+        out[done:done + take] = part[offset:offset + take]
 
 
 @dataclass(frozen=True)

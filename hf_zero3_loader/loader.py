@@ -175,6 +175,16 @@ def keep_zero3_visible_to_transformers(model, setup) -> None:
         model._hf_zero3_deepspeed_config = held
 
 
+def _quant_method(config) -> str | None:
+    """The `quantization_config=` method, which ranks must agree on: a quantizer can send a load down transformers'
+    own path (every rank or none)."""
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method",
+                                                                                 type(config).__name__)
+    return str(getattr(method, "value", method))
+
+
 def _launched_distributed() -> bool:
     import torch.distributed as dist
 
@@ -247,6 +257,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         error = e
     # the arguments that choose the path every rank takes (and so the collectives it joins) must agree
     same = {**setup.fields_ranks_share(), "state_dict= given": from_state_dict, "init_context": init_context,
+            "quantization_config": _quant_method(kwargs.get("quantization_config")),
             "load_from": load_from, "expert parallel size": ep_request.ep_size if ep_request is not None else None}
     agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
                     error_type=ConfigError)
@@ -288,11 +299,10 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
         read_threads = default_io_threads()
     hooks = Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
                        expert_parallel, stream, staging_bytes)
-    error, model = None, None
+    error, model, outer = None, None, None
     try:
         with ds_private.callers_zero_init_paused() as outer, hf_private.hidden_hf_zero3(), \
                 hf_private.replaced_loading(hooks.load, hooks.finalize), paused_gc():
-            _note_callers_zero_init(outer, setup)
             model = model_class.from_pretrained(path, *model_args, **kwargs)
     except AgreedFailure:
         raise
@@ -317,6 +327,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
                               "every rank the files, or load_from='read'")
         return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, fallback)
     target = model[0] if isinstance(model, tuple) else model
+    _note_callers_zero_init(outer, setup, kwargs.get("dtype"))
     if path != original_path:  # loaded from a stub folder: name the checkpoint as the user did
         target.config._name_or_path = str(original_path)
         target.name_or_path = str(original_path)
@@ -324,19 +335,18 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     return model
 
 
-def _note_callers_zero_init(outer, setup) -> None:
-    """A load inside the caller's own `with deepspeed.zero.Init(...)`: the partitions follow the load's DeepSpeed
-    config (the one the engine gets), which the context's settings should match."""
+def _note_callers_zero_init(outer, setup, dtype) -> None:
+    """A load (on meta) inside the caller's own `with deepspeed.zero.Init(...)`: the partitions followed the load's
+    DeepSpeed config (the one the engine gets), which the context's settings should match."""
     if outer is None:
         return
-    ours = setup.dtype or torch.float32
-    log.debug("loading inside the caller's zero.Init context: paused while this load builds its partitions")
-    if outer.dtype != ours:
-        log.warning_once(f"outer zero.Init {outer.dtype} {ours}",
-                         "from_pretrained runs inside a `deepspeed.zero.Init` context whose dtype is %s, but the "
-                         "DeepSpeed config of this load (%s) trains in %s: the parameters are loaded in %s. Give "
+    log.debug("loaded inside the caller's zero.Init context, paused while this load built its partitions")
+    if isinstance(dtype, torch.dtype) and outer.dtype != dtype:
+        log.warning_once(f"outer zero.Init {outer.dtype} {dtype}",
+                         "from_pretrained ran inside a `deepspeed.zero.Init` context whose dtype is %s, but the "
+                         "DeepSpeed config of this load (%s) trains in %s: the parameters were loaded in %s. Give "
                          "zero.Init the same config (config_dict_or_path=...), or leave it out: hf_zero3_loader "
-                         "partitions the model itself.", outer.dtype, setup.found_via, ours, ours)
+                         "partitions the model itself.", outer.dtype, setup.found_via, dtype, dtype)
 
 
 def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason):

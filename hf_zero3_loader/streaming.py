@@ -15,8 +15,9 @@ shared filesystem) or should not (a filesystem so slow per client that one reade
    the same pieces and chunks (`stream_chunks`): files in name order, at most `chunk_bytes` per chunk. The reader
    reads a chunk into one of two staging buffers and sends it (`isend`) while it reads the next; the receiver
    copies each piece into its partition. No buffer is larger than `chunk_bytes`, and no tensor is ever whole.
-   Dequantized (FP8/MXFP4) pieces travel as the stored bytes their computation reads, recorded on the reader and
-   replayed on the receiver (`_pack_stored`, `_unpack_stored`), unless that is no smaller than their elements.
+   Dequantized (FP8/MXFP4) pieces travel as the stored bytes their computation reads (`ComputedEntry.stored_reads`):
+   the reader reads them without computing, the receiver computes its own partition from them (`_pack_stored`,
+   `_unpack_stored`), unless that is no smaller than their elements.
 4. Errors agree as everywhere else: each chunk is preceded by a status; a reader that fails sends "failed" to the
    ranks waiting on it and reports its error at the next agreement point; one that dies or stops is caught by the
    liveness verdict.
@@ -44,8 +45,8 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 SMALL_FILE_BYTES = 8 << 20  # non-weight files a reader hands over (config, generation config, index, code)
 OK, FAILED = 0, 1
 # How a chunk travels (the status's third field): each piece's elements as read, or, for a chunk holding dequantized
-# (FP8/MXFP4) pieces, the stored bytes they are computed from: the receiver computes them as a reader would. The
-# stored bytes are 0.25-0.5x the elements; a chunk goes as elements where they are not fewer.
+# (FP8/MXFP4) pieces, the stored bytes they are computed from: the receiver computes them as a reader would (the
+# reader only reads). The stored bytes are 0.25-0.5x the elements; a chunk goes as elements where they are not fewer.
 ELEMENTS, STORED = 0, 1
 
 
@@ -392,47 +393,25 @@ def _computed(item: ReadItem) -> bool:
     return item.stored_bytes_per_element > 0
 
 
-def _aligned(offset: int) -> int:
-    return -(-offset // 8) * 8  # each piece 8-byte aligned, so it can be viewed as its dtype
-
-
-class _ChunkFull(Exception):
-    pass
-
-
-class _RecordingReader:
-    """Stands in for the file reader while a reading rank computes a dequantized piece: each stored read the
-    computation makes is also appended to the chunk, for the receiver to replay (`_ReplayingReader`)."""
-
-    def __init__(self, reader, buf: torch.Tensor, start: int):
-        self.reader, self.buf, self.end = reader, buf, start
-
-    def read_stored(self, entry, start: int, out: torch.Tensor) -> None:
-        from .reader import read_stored
-
-        read_stored(self.reader, entry, start, out)
-        n = out.numel() * out.element_size()
-        if self.end + n > self.buf.numel():
-            raise _ChunkFull
-        if n:
-            self.buf[self.end:self.end + n].copy_(out.reshape(-1).view(torch.uint8))
-        self.end += n
+def _aligned(offset: int, alignment: int = 8) -> int:
+    return -(-offset // alignment) * alignment  # each piece 8-byte aligned, so it can be viewed as its dtype
 
 
 class _ReplayingReader:
-    """Serves a receiving rank's computation the stored reads its reader recorded, in the same order (the
-    computation is deterministic: the same box asks for the same reads)."""
+    """Serves a receiving rank's computation of a dequantized piece the stored bytes its reader sent, in the order
+    the computation asks for them (`ComputedEntry.stored_reads` is that order), each at its item-size alignment."""
 
     def __init__(self, data: torch.Tensor, start: int):
-        self.data, self.end = data, start
+        self.data, self.end, self.payload = data, start, 0
 
     def read_stored(self, entry, start: int, out: torch.Tensor) -> None:
+        at = _aligned(self.end, entry.dtype.itemsize)
         n = out.numel() * out.element_size()
-        if self.end + n > self.data.numel():
+        if at + n > self.data.numel() or not out.is_contiguous():
             raise LoaderError(f"internal error: the stream ran out of the stored bytes of {entry.key}")
         if n:
-            out.reshape(-1).view(torch.uint8).copy_(self.data[self.end:self.end + n])
-        self.end += n
+            out.reshape(-1).view(torch.uint8).copy_(self.data[at:at + n])
+        self.end, self.payload = at + n, self.payload + n
 
 
 def _largest_chunk(chunk_lists) -> int:
@@ -519,29 +498,31 @@ class Streamer:
         return _chunk_size(chunk), ELEMENTS, sum(p.nbytes for p in chunk)
 
     def _pack_stored(self, chunk: list[Piece], buf: torch.Tensor, checkpoint: Checkpoint, file_reader):
-        """The chunk with its dequantized pieces as the stored bytes they are computed from, one piece after the
-        other; None where that is no smaller than the chunk's elements (a piece of a few elements still carries the
-        whole scales it touches), or does not fit the buffer."""
-        from .reader import execute_read
+        """The chunk with each dequantized piece as the stored bytes its computation reads (read, not computed: the
+        receiver computes), one piece after the other; None where that is no smaller than the chunk's elements (a
+        piece of a few elements still carries the whole scales it touches) or does not fit the buffer. Returns
+        (size, checkpoint bytes in it)."""
+        from .reader import execute_read, read_stored
 
-        end, payload = 0, 0
+        end, payload, limit = 0, 0, min(buf.numel(), _chunk_size(chunk) - 1)  # smaller than the elements, or none
         for piece in chunk:
-            start, item, entry = _aligned(end), piece.source(), checkpoint.entry(piece.item.key)
+            end, item, entry = _aligned(end), piece.source(), checkpoint.entry(piece.item.key)
             if _computed(piece.item):
-                recorder = _RecordingReader(file_reader, buf, start)
-                try:
-                    entry.read_box(recorder, item.src_offset, item.rows, item.cols, item.row_stride)
-                except _ChunkFull:
-                    return None
-                end = recorder.end
+                for stored, first, count in entry.stored_reads(item.src_offset, item.rows, item.cols, item.row_stride):
+                    at = _aligned(end, stored.dtype.itemsize)
+                    end = at + count * stored.dtype.itemsize
+                    if end > limit:
+                        return None
+                    read_stored(file_reader, stored, first, buf[at:end].view(stored.dtype))
+                    payload += end - at
             else:
-                end = start + piece.nbytes
-                if end > buf.numel():
+                at, end = end, end + piece.nbytes
+                if end > limit:
                     return None
-                execute_read(file_reader, item, entry, buf[start:end].view(item.src_dtype),
+                execute_read(file_reader, item, entry, buf[at:end].view(item.src_dtype),
                              staging_bytes=self.chunk_bytes)
-            payload += end - start
-        return (end, payload) if end < _chunk_size(chunk) else None
+                payload += piece.nbytes
+        return end, payload
 
     def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor], checkpoint: Checkpoint,
                 progress=None) -> None:
@@ -570,17 +551,16 @@ class Streamer:
         returns the checkpoint bytes the chunk held."""
         end, payload = 0, 0
         for piece in chunk:
-            start, item = _aligned(end), piece.source()
+            end, item = _aligned(end), piece.source()
             if _computed(piece.item):
-                replay = _ReplayingReader(data, start)
+                replay = _ReplayingReader(data, end)
                 box = checkpoint.entry(piece.item.key).read_box(replay, item.src_offset, item.rows, item.cols,
                                                                 item.row_stride)
                 piece.place(box.reshape(-1), destinations[piece.tensor])
-                end = replay.end
+                end, payload = replay.end, payload + replay.payload
             else:
-                end = start + piece.nbytes
-                piece.place(data[start:end].view(item.src_dtype), destinations[piece.tensor])
-            payload += end - start
+                piece.place(data[end:end + piece.nbytes].view(item.src_dtype), destinations[piece.tensor])
+                end, payload = end + piece.nbytes, payload + piece.nbytes
         if end != data.numel():
             raise LoaderError(f"internal error: a chunk of {data.numel()} bytes held {end} bytes of its pieces")
         return payload
@@ -648,7 +628,10 @@ class Streamer:
         for source in sorted(plans):
             for _, chunks in streams[source]:
                 for chunk in chunks:
-                    size, _ = self._receive_chunk(buf, status, source, chunk, "streams its partitions to this rank")
+                    size, form = self._receive_chunk(buf, status, source, chunk,
+                                                     "streams its partitions to this rank")
+                    if form != ELEMENTS:  # a save sends partition elements only
+                        raise LoaderError(f"internal error: rank {source} sent a save chunk of form {form}")
                     self.bytes_received += sum(p.nbytes for p in chunk)
                     data = buf[:size].cpu()
                     for piece in chunk:

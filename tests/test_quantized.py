@@ -350,3 +350,46 @@ def test_bitsandbytes_4bit_qlora_loads_through_transformers_zero3_path(ckpts, wo
     for r in dumps["on meta"]["ranks"]:
         assert r["error"]["type"] == "ConfigError", r["error"]
         assert "only transformers' own ZeRO-3 path" in r["error"]["message"], r["error"]["message"]
+
+
+def test_stored_reads_are_the_reads_the_dequantization_makes(ckpts):
+    """A reading rank streams `stored_reads` without computing; the receiver's computation must ask for exactly
+    those reads, in that order (record and replay), and compute from them what a reader computes from the file."""
+    import random
+
+    from hf_zero3_loader.checkpoint import open_checkpoint
+    from hf_zero3_loader.dequantize import Fp8Dequantized, Mxfp4Dequantized
+    from hf_zero3_loader.reader import FileReader, read_stored
+
+    class Recorder:
+        def __init__(self, reader):
+            self.reader, self.calls = reader, []
+
+        def read_stored(self, entry, start, out):
+            self.calls.append((entry.key, start, out.numel()))
+            read_stored(self.reader, entry, start, out)
+
+    fp8 = open_checkpoint([os.path.join(ckpts["fp8 deepseek_v3"][0], "model.safetensors")]).entries
+    mxfp4 = open_checkpoint([os.path.join(ckpts["mxfp4 gpt_oss"][0], "model.safetensors")]).entries
+    computed = []
+    for key, scale in [(k.removesuffix("_scale_inv"), e) for k, e in fp8.items() if k.endswith("_scale_inv")][:6]:
+        weight = fp8[key]
+        computed.append(Fp8Dequantized(key, torch.bfloat16, weight.shape, weight=weight, scale=scale))
+    for key in [k.removesuffix("_blocks") for k in mxfp4 if k.endswith("_blocks")][:4]:
+        blocks, scales = mxfp4[key + "_blocks"], mxfp4[key + "_scales"]
+        e, r, g, b = blocks.shape
+        computed.append(Mxfp4Dequantized(key, torch.bfloat16, (e, g * b * 2, r), blocks=blocks, scales=scales))
+    rng, reader = random.Random(0), FileReader()
+    for entry in computed:
+        numel = entry.numel
+        for _ in range(20):
+            cols = rng.randint(1, min(numel, 700))
+            rows = rng.randint(1, 3)
+            row_stride = rng.randint(cols, max(cols, numel // rows))
+            src_offset = rng.randint(0, numel - ((rows - 1) * row_stride + cols))
+            recorder = Recorder(reader)
+            box = entry.read_box(recorder, src_offset, rows, cols, row_stride)
+            planned = [(e.key, first, count) for e, first, count in entry.stored_reads(src_offset, rows, cols, row_stride)]
+            assert recorder.calls == planned, entry.key
+            assert torch.equal(box.view(torch.int16), entry.read_box(reader, src_offset, rows, cols, row_stride)
+                               .view(torch.int16)), entry.key
