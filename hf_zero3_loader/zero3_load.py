@@ -12,9 +12,11 @@ A failure on any rank becomes the same error on every rank at the next agreement
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import threading
 
 import torch
 
@@ -44,6 +46,26 @@ def local_device() -> torch.device:
 # quantizers whose weights this loader dequantizes on read: kept quantized they are refused with what to pass
 DEQUANTIZE_HINTS = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mxfp4Config(dequantize=True)",
                     "gguf": "GgufConfig(dequantize=True)"}
+
+
+def _in_thread(fn):
+    """Start `fn` in a thread; returns a join that waits for it and returns its exception (or None)."""
+    box: list = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:
+            box.append(e)
+
+    thread = threading.Thread(target=run, name="hf_zero3_loader-own-read", daemon=True)
+    thread.start()
+
+    def join():
+        thread.join()
+        return box[0] if box else None
+
+    return join
 
 
 class TransformersPathNeeded(Exception):
@@ -148,18 +170,23 @@ class Zero3Load:
             destinations = self._allocate(model, plan, partitioner)
             if layout is not None:
                 layout.materialize_new_buffers(local_device())
+        own_read = None
+        if self.stream is None or self.stream.layout.reads_files(world.rank):
+            own_read = functools.partial(self._read, plan, checkpoint, destinations)
         if self.stream is not None:
             with self.report.phase("stream"):
                 edp = [self.expert_parallel[1].edp_group] if self.expert_parallel else []
-                self._stream(plan, served, checkpoint, destinations, edp)
-        if self.stream is None or self.stream.layout.reads_files(world.rank):
-            with self.report.phase("read"):
-                self._read(plan, checkpoint, destinations)
+                own_read = self._stream(plan, served, checkpoint, destinations, edp, own_read)
+        if own_read is not None:  # not read by `_stream` while it served
+            own_read()
         model._weight_conversions = plan.converted_weight_mapping  # what save_pretrained reverses
         return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
 
-    def _stream(self, plan: LoadPlan, served: dict, checkpoint, destinations, groups) -> None:
-        """Readers send the ranks they serve their plans' bytes; receivers fill their partitions from them."""
+    def _stream(self, plan: LoadPlan, served: dict, checkpoint, destinations, groups, own_read=None):
+        """Readers send the ranks they serve their plans' bytes; receivers fill their partitions from them. A reader
+        reads its own partitions (`own_read`) in a thread meanwhile: serving mostly waits for the receivers to take
+        each chunk (dequantizing FP8 there), and its own read would otherwise wait for all of it. Returns
+        `own_read` when it did not run it."""
         import torch.distributed as dist
         from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
@@ -171,12 +198,21 @@ class Zero3Load:
                 reader = FileReader(self.report.read, checkpoint.identities, prefault=False,  # into reused chunks
                                     readahead=node_reads_whole_files(self.report.world_size))
                 desc = f"Streaming partitions to {len(served)} rank{'s' * (len(served) > 1)}"
+                joined_read, own_read = (_in_thread(own_read) if own_read is not None else None), None
+                error = None
                 try:  # rank 0 shows its progress, as it does for its own reads
                     with tqdm(total=sum(stream_bytes(p) for p in served.values()), unit="B", unit_scale=True,
                               desc=desc, disable=rank != 0) as bar:
                         streamer.serve(served, checkpoint, reader, progress=bar.update)
+                except BaseException as e:
+                    error = e
                 finally:
                     reader.close()
+                if joined_read is not None:  # the partitions are written by then, whatever failed
+                    read_error = joined_read()
+                    error = error or read_error
+                if error is not None:
+                    raise error
             if rank in layout.source_of:
                 with tqdm(total=stream_bytes(plan), unit="B", unit_scale=True, desc="Receiving ZeRO-3 partitions",
                           disable=rank != 0) as bar:
@@ -186,6 +222,7 @@ class Zero3Load:
                               "bytes_received": streamer.bytes_received,
                               "largest_stream_buffer_bytes": streamer.largest_buffer,
                               "chunks_sent": streamer.chunks_sent}
+        return own_read
 
     def _open_checkpoint(self, checkpoint_files, load_config):
         if not checkpoint_files:
@@ -265,6 +302,10 @@ class Zero3Load:
         return destinations
 
     def _read(self, plan: LoadPlan, checkpoint, destinations) -> None:
+        with self.report.phase("read"):
+            self._read_partitions(plan, checkpoint, destinations)
+
+    def _read_partitions(self, plan: LoadPlan, checkpoint, destinations) -> None:
         from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
         # host partitions are read in place; accelerator ones through the bounded staging buffer (`staging.py`)
