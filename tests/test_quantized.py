@@ -277,6 +277,31 @@ def test_plan_shows_the_quantized_bytes(ckpts):
     assert fp8 < 0.75 * bf16, (fp8, bf16)  # about half: most weights are FP8
 
 
+def test_plans_of_quantized_checkpoints_are_the_loads_plans(ckpts, workdir):
+    """`plan` (and `plan_ranks`) dequantize FP8/MXFP4 as the load does: the scales are inputs, not unused tensors,
+    and each rank's bytes are the load's; a checkpoint the load hands to transformers' own path (bitsandbytes) is
+    refused with why, rather than planned as if dense."""
+    from hf_zero3_loader.errors import ConfigError
+    from hf_zero3_loader.planner.inspect import plan_ranks
+
+    runs = {case["name"]: dump for case, dump in dumps(ckpts, workdir, 3)}
+    for name in ("fp8 deepseek_v3", "mxfp4 gpt_oss"):
+        plans = plan_ranks(ckpts[name][0], 3, dtype=torch.bfloat16)
+        assert all(not p.unexpected_keys for p in plans), (name, plans[0].unexpected_keys)
+        assert [p.bytes_to_read for p in plans] == [r["report"]["bytes_to_read"] for r in runs[name]["ranks"]], name
+    pytest.importorskip("bitsandbytes")
+    import transformers
+
+    folder = os.path.join(workdir, "quant", "llama_nf4")
+    if not os.path.exists(folder):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.join(workdir, "quant", "llama_bf16"), dtype=torch.bfloat16,
+            quantization_config=quantization_config({"quant_method": "bitsandbytes_4bit"}))
+        model.save_pretrained(folder)
+    with pytest.raises(ConfigError, match="bitsandbytes-quantized weights, which from_pretrained loads through"):
+        plan_ranks(folder, 2)
+
+
 def test_keeping_weights_quantized_is_refused_with_what_to_pass():
     from transformers import FineGrainedFP8Config
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import local_checkpoint, open_checkpoint
+from ..errors import ConfigError
 from ..gc_pause import paused_gc
 from .plan import WORLD, PartitionGroup, plan_tensors, resolve_checkpoint
 
@@ -32,6 +33,7 @@ def meta_skeleton(path: str, model_class=None, dtype: torch.dtype | None = None,
     config = AutoConfig.from_pretrained(path, subfolder=load_kwargs.get("subfolder") or "",
                                         revision=load_kwargs.get("revision"), cache_dir=load_kwargs.get("cache_dir"),
                                         trust_remote_code=trust)
+    _refuse_transformers_path(path, config)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -40,6 +42,23 @@ def meta_skeleton(path: str, model_class=None, dtype: torch.dtype | None = None,
     with torch.device("meta"):
         model = model_class.from_config(config, dtype=dtype, **extra)
     return model, dtype
+
+
+def _refuse_transformers_path(path: str, config) -> None:
+    """A checkpoint quantized in a format this loader does not dequantize (bitsandbytes, GPTQ, ...) is loaded by
+    transformers' own ZeRO-3 path, which a shard-on-read plan does not describe: say so rather than plan it as dense."""
+    from ..zero3_load import DEQUANTIZE_HINTS
+
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method not in DEQUANTIZE_HINTS:
+        raise ConfigError(f"{path} holds {method}-quantized weights, which from_pretrained loads through "
+                          "transformers' own ZeRO-3 path (zero.Init: rank 0 reads every parameter and broadcasts "
+                          "it); plans describe shard-on-read loads only")
 
 
 def plan_ranks(path: str, world_size: int, ranks=None, model_class=None, dtype=None, ep_size: int | None = None,
@@ -58,9 +77,15 @@ def plan_ranks(path: str, world_size: int, ranks=None, model_class=None, dtype=N
 def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
+    from transformers.quantizers import AutoHfQuantizer
+
+    from ..verify import dequantize_config
+
     model, dtype = meta_skeleton(path, model_class, dtype, **load_kwargs)
     checkpoint = open_checkpoint(checkpoint_files(path, **load_kwargs))
-    mapping = get_model_conversion_mapping(model)
+    quantization = dequantize_config(path, load_kwargs)  # FP8/MXFP4 plan as they load: dequantized on read
+    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True) if quantization is not None else None
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     resolution = resolve_checkpoint(model, checkpoint, mapping, model._get_dtype_plan(dtype))
     layout = None
     if ep_size:
