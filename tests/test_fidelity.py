@@ -41,7 +41,8 @@ def _cases(workdir: str, world_size: int) -> list[dict]:
     # an fp16 engine (`fp16: {enabled: true}`): a bf16 MoE checkpoint and an fp32 tied one, cast as the plain load casts
     for name in ("qwen3_moe_bf16", "llama_tied"):
         cases.append({"name": f"{name}/float16", "path": os.path.join(workdir, name), "dtype": "float16",
-                      "model_class": "AutoModelForCausalLM", "out": os.path.join(workdir, f"w{world_size}_{name}_fp16.pt")})
+                      "model_class": "AutoModelForCausalLM",
+                      "out": os.path.join(workdir, f"w{world_size}_{name}_fp16.pt")})
     # a base model loaded from a causal-LM checkpoint (drops the `model.` prefix, leaves lm_head unexpected)
     cases.append({"name": "qwen3_moe/base", "path": os.path.join(workdir, "qwen3_moe"), "dtype": "float32",
                   "model_class": "AutoModel", "out": os.path.join(workdir, f"w{world_size}_base.pt")})

@@ -354,13 +354,15 @@ def test_bitsandbytes_4bit_qlora_loads_through_transformers_zero3_path(ckpts, wo
     library: the same partitions, bit for bit, and the same training losses; asked for on meta it is refused."""
     pytest.importorskip("bitsandbytes")
     bnb = {"quant_method": "bitsandbytes_4bit"}
-    sources = {"llama": os.path.join(workdir, "quant", "llama_bf16"), "qwen3_moe": os.path.join(workdir, "quant", "qwen_bf16")}
+    sources = {"llama": os.path.join(workdir, "quant", "llama_bf16"),
+               "qwen3_moe": os.path.join(workdir, "quant", "qwen_bf16")}
     cases = [{"name": f"{name}/{variant}", "path": path, "dtype": "bfloat16", "upstream": variant == "upstream",
               "kwargs": {"quantization_config": bnb, "experts_implementation": "eager"}, "train_steps": 2,
               "out": os.path.join(workdir, f"bnb_{name}_{variant}.pt")}
              for name, path in sources.items() for variant in ("ours", "upstream")]
     cases.append({"name": "on meta", "path": sources["llama"], "dtype": "bfloat16",
-                  "kwargs": {"quantization_config": bnb, "init_context": "meta"}, "out": os.path.join(workdir, "bnb_meta.pt")})
+                  "kwargs": {"quantization_config": bnb, "init_context": "meta"},
+                  "out": os.path.join(workdir, "bnb_meta.pt")})
     dumps = dict(zip((c["name"] for c in cases), run_torchrun(2, cases, workdir)))
     for name in sources:
         ours, upstream = dumps[f"{name}/ours"]["rank0"], dumps[f"{name}/upstream"]["rank0"]
@@ -414,7 +416,8 @@ def test_stored_reads_are_the_reads_the_dequantization_makes(ckpts):
             src_offset = rng.randint(0, numel - ((rows - 1) * row_stride + cols))
             recorder = Recorder(reader)
             box = entry.read_box(recorder, src_offset, rows, cols, row_stride)
-            planned = [(e.key, first, count) for e, first, count in entry.stored_reads(src_offset, rows, cols, row_stride)]
+            planned = [(e.key, first, count)
+                       for e, first, count in entry.stored_reads(src_offset, rows, cols, row_stride)]
             assert recorder.calls == planned, entry.key
             assert torch.equal(box.view(torch.int16), entry.read_box(reader, src_offset, rows, cols, row_stride)
                                .view(torch.int16)), entry.key
