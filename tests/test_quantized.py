@@ -131,7 +131,8 @@ def plain(path: str, quant: tuple | None, model_class: str) -> dict:
 
 SAVED = ("fp8 deepseek_v3", "fp8 llama 128x64", "mxfp4 gpt_oss")
 # (case, stream_chunk_bytes or None for the default) loaded at 3 ranks with rank 1 streamed its bytes
-STREAMED = (("fp8 deepseek_v3", None), ("mxfp4 gpt_oss", None), ("fp8 llama 128x64", 4096), ("mxfp4 gpt_oss", 2048))
+STREAMED = (("fp8 deepseek_v3", None), ("mxfp4 gpt_oss", None), ("fp8 llama 128x64", 4096), ("mxfp4 gpt_oss", 2048),
+            ("pickled fp8 qwen3_moe", None))  # a `.bin`: the reader's entries hold tensors, the receiver's are stubs
 
 
 def test_a_rank_without_the_files_is_streamed_the_stored_bytes_and_dequantizes_them(ckpts, workdir):
