@@ -25,7 +25,7 @@ from . import log
 from .agreement import Agreement
 from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
                          open_checkpoint)
-from .errors import CheckpointError, ConfigError, ConversionMismatchError
+from .errors import CheckpointError, ConfigError, ConversionMismatchError, LoaderError
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
@@ -198,14 +198,16 @@ class Zero3Load:
                 reader = FileReader(self.report.read, checkpoint.identities, prefault=False,  # into reused chunks
                                     readahead=node_reads_whole_files(self.report.world_size))
                 desc = f"Streaming partitions to {len(served)} rank{'s' * (len(served) > 1)}"
-                joined_read, own_read = (_in_thread(own_read) if own_read is not None else None), None
-                error = None
+                cancel = threading.Event()  # a failed or interrupted serve stops the own read's queued reads
+                joined_read = _in_thread(functools.partial(own_read, cancel=cancel)) if own_read is not None else None
+                own_read, error = None, None
                 try:  # rank 0 shows its progress, as it does for its own reads
                     with tqdm(total=sum(stream_bytes(p) for p in served.values()), unit="B", unit_scale=True,
                               desc=desc, disable=rank != 0) as bar:
                         streamer.serve(served, checkpoint, reader, progress=bar.update)
                 except BaseException as e:
                     error = e
+                    cancel.set()
                 finally:
                     reader.close()
                 if joined_read is not None:  # the partitions are written by then, whatever failed
@@ -301,11 +303,11 @@ class Zero3Load:
             destinations.append((tensor_plan, value.view(-1)))
         return destinations
 
-    def _read(self, plan: LoadPlan, checkpoint, destinations) -> None:
+    def _read(self, plan: LoadPlan, checkpoint, destinations, cancel: threading.Event | None = None) -> None:
         with self.report.phase("read"):
-            self._read_partitions(plan, checkpoint, destinations)
+            self._read_partitions(plan, checkpoint, destinations, cancel)
 
-    def _read_partitions(self, plan: LoadPlan, checkpoint, destinations) -> None:
+    def _read_partitions(self, plan: LoadPlan, checkpoint, destinations, cancel=None) -> None:
         from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
         # host partitions are read in place; accelerator ones through the bounded staging buffer (`staging.py`)
@@ -319,10 +321,16 @@ class Zero3Load:
         try:
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
                       disable=self.report.rank != 0) as bar:
-                run_reads(in_place, reader, threads=self.read_threads, progress=bar.update)
+
+                def progress(nbytes: int) -> None:  # raising here cancels the queued reads, as a failure does
+                    if cancel is not None and cancel.is_set():
+                        raise LoaderError("reading this rank's partitions was cancelled: streaming failed")
+                    bar.update(nbytes)
+
+                run_reads(in_place, reader, threads=self.read_threads, progress=progress)
                 if staged:
                     self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
-                                                           progress=bar.update).summary()
+                                                           progress=progress).summary()
         finally:
             reader.close()
 
