@@ -187,6 +187,35 @@ def _reader_threads_end(before: set, seconds: float = 10.0) -> None:
     assert not left, f"threads still running: {left}"
 
 
+@pytest.mark.parametrize("force_staging", [False, True])
+def test_a_streaming_readers_own_read_stops_when_serving_fails(workdir, monkeypatch, force_staging):
+    """A reader reads its own partitions in a thread while it serves the ranks without the files; when serving fails
+    or is interrupted, that read is cancelled (its queued reads dropped), not run to its end before the error."""
+    import glob
+
+    from hf_zero3_loader.checkpoint import open_checkpoint
+    from hf_zero3_loader.errors import LoaderError
+    from hf_zero3_loader.planner.inspect import plan_ranks
+    from hf_zero3_loader.report import LoadReport
+    from hf_zero3_loader.zero3_load import Zero3Load
+
+    if force_staging:
+        monkeypatch.setenv("HF_ZERO3_LOADER_FORCE_STAGING", "1")
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True)
+    plan = plan_ranks(path, 1)[0]
+    checkpoint = open_checkpoint(sorted(glob.glob(os.path.join(path, "*.safetensors"))))
+    destinations = [(t, torch.empty(t.partition_numel, dtype=t.dtype)) for t in plan.tensors.values()
+                    if t.status == "load"]
+    loader = Zero3Load.__new__(Zero3Load)  # only what reading needs: a report, threads, a staging budget
+    loader.report, loader.read_threads, loader.staging_bytes = LoadReport("zero3-meta", "test"), 1, 4096
+    cancel = threading.Event()
+    cancel.set()  # serving has failed
+    with pytest.raises(LoaderError, match="cancelled: streaming failed"):
+        loader._read_partitions(plan, checkpoint, destinations, cancel)
+    assert 0 < loader.report.read.bytes_read < plan.bytes_to_read / 4, (loader.report.read.bytes_read,
+                                                                        plan.bytes_to_read)
+
+
 @pytest.mark.parametrize("path", ["in place", "staged"])
 def test_a_failed_read_cancels_the_queued_reads(path):
     """A failed read stops the load at once, on either path: queued reads never start, and on the staged path the
