@@ -32,7 +32,7 @@ from .reader import default_io_threads
 from .report import LoadReport, attach
 from .staging import DEFAULT_STAGING_BYTES, check_budget
 from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers, find_state_dict_holders
-from .zero3_load import TransformersPathNeeded, Zero3Load, local_device
+from .zero3_load import TransformersPathNeeded, Zero3Load, local_device, quant_method
 
 __all__ = ["LoadReport", "from_pretrained"]
 
@@ -175,16 +175,6 @@ def keep_zero3_visible_to_transformers(model, setup) -> None:
         model._hf_zero3_deepspeed_config = held
 
 
-def _quant_method(config) -> str | None:
-    """The `quantization_config=` method, which ranks must agree on: a quantizer can send a load down transformers'
-    own path (every rank or none)."""
-    if config is None:
-        return None
-    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method",
-                                                                                 type(config).__name__)
-    return str(getattr(method, "value", method))
-
-
 def _launched_distributed() -> bool:
     import torch.distributed as dist
 
@@ -257,7 +247,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         error = e
     # the arguments that choose the path every rank takes (and so the collectives it joins) must agree
     same = {**setup.fields_ranks_share(), "state_dict= given": from_state_dict, "init_context": init_context,
-            "quantization_config": _quant_method(kwargs.get("quantization_config")),
+            "quantization_config": quant_method(kwargs.get("quantization_config")),  # may pick transformers' path
             "load_from": load_from, "expert parallel size": ep_request.ep_size if ep_request is not None else None}
     agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
                     error_type=ConfigError)

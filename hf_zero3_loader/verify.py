@@ -66,13 +66,11 @@ def dequantize_config(checkpoint: str, load_kwargs: dict):
 
     location = {k: v for k, v in load_kwargs.items()
                 if k in ("subfolder", "revision", "cache_dir", "trust_remote_code")}
+    from .zero3_load import quant_method
+
     quantization = getattr(transformers.AutoConfig.from_pretrained(checkpoint, **location), "quantization_config", None)
-    if quantization is None:
-        return None
-    method = (quantization.get("quant_method") if isinstance(quantization, dict)
-              else getattr(quantization, "quant_method", None))
     config_class = {"fp8": transformers.FineGrainedFP8Config, "mxfp4": transformers.Mxfp4Config}.get(
-        getattr(method, "value", method))
+        quant_method(quantization))
     return config_class(dequantize=True) if config_class is not None else None
 
 

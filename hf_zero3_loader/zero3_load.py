@@ -68,6 +68,15 @@ def _in_thread(fn):
     return join
 
 
+def quant_method(config) -> str | None:
+    """A quantization config's method ("fp8", "bitsandbytes", ...), from a config object or config.json's dict."""
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method",
+                                                                                 type(config).__name__)
+    return str(getattr(method, "value", method))
+
+
 class TransformersPathNeeded(Exception):
     """Raised on every rank before anything is read: this load is transformers' own ZeRO-3 path (the reason)."""
 
@@ -248,8 +257,7 @@ class Zero3Load:
         if (quantizer is None or getattr(quantizer.quantization_config, "dequantize", False)
                 or hf_private.state_dict_is_dequantized(quantizer)):
             return
-        method = getattr(quantizer.quantization_config, "quant_method", "?")
-        method = str(getattr(method, "value", method))
+        method = quant_method(quantizer.quantization_config)
         hint = DEQUANTIZE_HINTS.get(method)
         if hint is None:
             raise TransformersPathNeeded(f"{type(quantizer).__name__} ({method}) keeps the weights quantized")

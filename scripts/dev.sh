@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
   || pip install -q torch==2.13.0
 # the package and the test extra (an install without `[test]` lacks pytest)
-{ pip show -q hf_zero3_loader >/dev/null 2>&1 && python -c "import pytest, pytest_timeout, gguf" 2>/dev/null; } \
+test_packages="('pytest', 'pytest_timeout', 'gguf', 'bitsandbytes')"  # the test extra's, found without importing
+{ pip show -q hf_zero3_loader >/dev/null 2>&1 \
+  && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in $test_packages))"; } \
   || pip install -q -e ".[test]"
 command="${1:-test}"
 shift || true

@@ -47,15 +47,10 @@ def meta_skeleton(path: str, model_class=None, dtype: torch.dtype | None = None,
 def _refuse_transformers_path(path: str, config) -> None:
     """A checkpoint quantized in a format this loader does not dequantize (bitsandbytes, GPTQ, ...) is loaded by
     transformers' own ZeRO-3 path, which a shard-on-read plan does not describe: say so rather than plan it as dense."""
-    from ..zero3_load import DEQUANTIZE_HINTS
+    from ..zero3_load import DEQUANTIZE_HINTS, quant_method
 
-    quantization = getattr(config, "quantization_config", None)
-    if quantization is None:
-        return
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-        quantization, "quant_method", None)
-    method = str(getattr(method, "value", method))
-    if method not in DEQUANTIZE_HINTS:
+    method = quant_method(getattr(config, "quantization_config", None))
+    if method is not None and method not in DEQUANTIZE_HINTS:
         raise ConfigError(f"{path} holds {method}-quantized weights, which from_pretrained loads through "
                           "transformers' own ZeRO-3 path (zero.Init: rank 0 reads every parameter and broadcasts "
                           "it); plans describe shard-on-read loads only")
