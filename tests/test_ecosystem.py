@@ -1,7 +1,8 @@
-"""The ecosystem as users call it: TRL's SFTTrainer(model="<path>") under a real `accelerate launch` (ZeRO-3, bf16)
-trains with `import hf_zero3_loader.auto` exactly as without it, and its `save_model` (and accelerate's) write the
-same files without a gather; MoE blocks whose experts get no tokens on a rank do not hang ZeRO-3; a PEFT adapter
-folder loads its base model and its adapter as the plain load does."""
+"""The ecosystem as users call it: TRL's SFTTrainer(model="<path>"), and DPOTrainer with its reference model, under
+a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.auto` exactly as without it, and the
+SFT run's `save_model` (and accelerate's) write the same files without a gather; MoE blocks whose experts get no
+tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
+does."""
 
 from __future__ import annotations
 
@@ -45,6 +46,29 @@ def test_trl_sft_trainer_with_a_model_path_trains_the_same_with_the_import(workd
                 continue
             with open(os.path.join(mine, name), "rb") as a, open(os.path.join(theirs, name), "rb") as b:
                 assert a.read() == b.read(), f"{how}: {name} differs"
+
+
+def test_trl_dpo_trainer_loads_its_reference_model_too_and_trains_the_same_with_the_import(workdir):
+    """DPOTrainer(model="<path>") loads the path twice (the policy, then its frozen reference, which TRL wraps in an
+    inference ZeRO-3 engine of its own): both loads go through the loader, and the losses and rewards (policy
+    against reference log-probabilities) are the plain path's, bit for bit."""
+    path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "dpo_qwen3_moe"), "qwen3_moe",
+                                              config=trainable_moe_config()), 101)
+    config = os.path.join(workdir, "ds_dpo.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, f)
+    runs = {}
+    for variant in ("with-loader", "without"):
+        out = os.path.join(workdir, f"dpo_{variant}.json")
+        accelerate_launch(config, "trl_dpo_script.py", path, out, variant)
+        with open(out) as f:
+            runs[variant] = json.load(f)
+    ours, upstream = runs["with-loader"], runs["without"]
+    assert ours["init_contexts"] == ["zero3-meta", "zero3-meta"] and upstream["init_contexts"] == [None, None]
+    assert ours["ref_model"] == upstream["ref_model"] == "DeepSpeedEngine"
+    assert len(ours["logged"]) == 3 and ours["logged"][-1]["rewards/chosen"] != 0.0
+    assert ours["logged"] == upstream["logged"]
 
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe")
