@@ -119,3 +119,36 @@ def test_gpu_every_family_in_the_sweep_equals_the_plain_load(workdir):
     failures += [f"{case['name']}: not staged" for case, dump in zip(cases, dumps)
                  if "error" not in dump["rank0"] and not dump["rank0"]["report"].get("staging", {}).get("pinned")]
     assert not failures, "\n".join(failures)
+
+
+def test_gpu_fp8_and_mxfp4_dequantized_on_read_equal_the_plain_dequantized_load(workdir):
+    """FP8 (DeepSeek-V3 with 128x128 blocks, Llama with 128x64) and MXFP4 (GPT-OSS) checkpoints, dequantized while
+    read as users ask for it on a GPU (`dequantize=True`): each computed piece goes through the pinned staging slots to
+    the GPU partitions, bit- and dtype-equal to the plain dequantized load."""
+    from tests.checkpoints import fp8_checkpoint, gpt_oss_config, mxfp4_checkpoint
+    from tests.test_quantized import _deepseek_v3_fp8_config, _llama_fp8_config, plain
+
+    def d(name):
+        return os.path.join(workdir, "gpu_quant", name)
+
+    deepseek = make_checkpoint(d("deepseek_v3_bf16"), "d", dtype=torch.bfloat16, config=_deepseek_v3_fp8_config())
+    llama = make_checkpoint(d("llama_bf16"), "l", dtype=torch.bfloat16, config=_llama_fp8_config())
+    gpt_oss = make_checkpoint(d("gpt_oss_bf16"), "g", dtype=torch.bfloat16, config=gpt_oss_config())
+    fp8, mxfp4 = {"quant_method": "fp8", "dequantize": True}, {"quant_method": "mxfp4", "dequantize": True}
+    checkpoints = {"fp8 deepseek_v3": (fp8_checkpoint(deepseek, d("deepseek_v3_fp8")), fp8),
+                   "fp8 llama 128x64": (fp8_checkpoint(llama, d("llama_fp8"), block=(128, 64)), fp8),
+                   "mxfp4 gpt_oss": (mxfp4_checkpoint(gpt_oss, d("gpt_oss_mxfp4")), mxfp4)}
+    cases = [{"name": name, "path": path, "dtype": "bfloat16",
+              "kwargs": {"quantization_config": spec, "staging_bytes": 64 << 10},
+              "out": os.path.join(workdir, f"gpu_quant_{i}.pt")}
+             for i, (name, (path, spec)) in enumerate(checkpoints.items())]
+    for case, dump in zip(cases, run_torchrun(1, cases, workdir, env=NCCL)):
+        got = dump["rank0"]
+        assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
+        assert got["report"]["staging"]["pinned"], case["name"]
+        spec = case["kwargs"]["quantization_config"]
+        reference = plain(case["path"], tuple(sorted(spec.items())), "AutoModelForCausalLM")
+        assert set(got["state"]) == set(reference), case["name"]
+        for name, want in reference.items():
+            actual = got["state"][name]
+            assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name}"
