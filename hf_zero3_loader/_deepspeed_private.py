@@ -12,6 +12,10 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
   load; `shutdown_init_context` / `restore_init_context` (what `deepspeed.initialize` uses) pause its patching.
 - `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
   (AutoEP expert parameters: their expert-data-parallel group).
+- NVMe parameter offload (`offload_param: {device: nvme}`): `Init.param_swapper` (an `AsyncPartitionedParameterSwapper`,
+  attached to every converted param as `nvme_swapper`); a partition goes out as `Init._partition_param` sends it:
+  `get_buffer` (one of its `buffer_count` pinned buffers), the values copied in, `ds_tensor.final_location = nvme`,
+  `swap_out_and_release` (written, buffer released, `ds_tensor` NOT_AVAILABLE until a gather swaps it in).
 
 Missing-key init (`missing_init.py`): `GatheredParameters(modifier_rank=r)` broadcasts `p.data.view(torch.uint8)` on
 exit, which raises for a 0-dim parameter (CLIP's `logit_scale`); `gathered_to_modify` gives those a 1-element shape
@@ -66,8 +70,10 @@ class ZeroParamFactory:
         # Constructed, never entered: no module patching, no construction hooks.
         self._init = deepspeed.zero.Init(config_dict_or_path=ds_config, zero_param_parallel_group=_hpz_group())
         self.local_device = torch.device(self._init.local_device)
-        # NVMe offload was refused earlier (deepspeed_setup.check_supported); this is the CPU-offload or local device
         remote = str(getattr(self._init.remote_device, "value", self._init.remote_device))
+        # NVMe offload: partitions are filled in host memory, then swapped out (`swap_out_to_nvme`)
+        self.nvme_swapper = self._init.param_swapper if remote == "nvme" else None
+        remote = "cpu" if remote == "nvme" else remote
         self.remote_device = torch.device(remote) if remote not in ("None", "none") else self.local_device
         # `offload_param.pin_memory`, as zero.Init resolved it (False unless the partitions are offloaded)
         self.pin_memory = bool(getattr(self._init, "pin_memory", False))
@@ -98,6 +104,41 @@ class ZeroParamFactory:
         param.data = empty_data
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
+    def swappable_to_nvme(self, param: torch.nn.Parameter, partition_numel: int, dtype: torch.dtype) -> bool:
+        """Whether `zero.Init` would keep this partition on NVMe (large enough for the swapper, not persistent,
+        in the swapper's dtype: `keep_in_fp32=True` parameters are not); the others stay in host memory (or on the
+        device, when persistent), as `zero.Init` leaves them."""
+        return (self.nvme_swapper is not None and not param.ds_persist and dtype == self.nvme_swapper.dtype
+                and self.nvme_swapper.swappable_tensor(numel=partition_numel))
+
+
+def swap_out_to_nvme(params: list[torch.nn.Parameter]) -> None:
+    """Write each param's host partition to its NVMe swap file and free it, as `zero.Init` does for each param it
+    partitions: in groups of the swapper's free buffers (`offload_param.buffer_count`), each through a pinned
+    buffer."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    too_large = [p for p in params if p.ds_tensor.numel() > p.nvme_swapper.elements_per_buffer]
+    if too_large:  # zero.Init fails on an assertion there
+        from .errors import ConfigError
+
+        largest, size = max(p.ds_tensor.numel() for p in too_large), too_large[0].nvme_swapper.elements_per_buffer
+        raise ConfigError(f"{len(too_large)} ZeRO-3 partitions (the largest {largest} elements) do not fit DeepSpeed's "
+                          f"NVMe swap buffers of offload_param.buffer_size={size} elements; raise buffer_size to at "
+                          "least the largest partition")
+    pending = list(params)
+    while pending:
+        swapper = pending[0].nvme_swapper
+        count = max(1, swapper.available_swap_in_buffers())
+        batch, pending = pending[:count], pending[count:]
+        for param in batch:
+            partition = param.ds_tensor
+            buffer = swapper.get_buffer(param, partition.numel())
+            buffer.copy_(partition)
+            partition.data = buffer.data  # the host copy is freed here
+            partition.final_location = OffloadDeviceEnum.nvme
+        swapper.swap_out_and_release(batch)  # waits for the writes, releases the buffers
+
 
 @contextmanager
 def callers_zero_init_paused():
@@ -123,6 +164,13 @@ def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
 
 
+def on_nvme(param: torch.Tensor) -> bool:
+    """A ZeRO-3 param whose partition lives in an NVMe swap file (`offload_param: nvme`)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    return getattr(getattr(param, "ds_tensor", None), "final_location", None) == OffloadDeviceEnum.nvme
+
+
 @dataclass(frozen=True)
 class Zero3Partition:
     """A ZeRO-3 parameter's local piece: flat range [rank * size, ...) of the logical tensor, over `group`."""
@@ -142,7 +190,9 @@ def zero3_partition(param: torch.Tensor) -> Zero3Partition:
         from .errors import ConfigError
 
         raise ConfigError("a ZeRO-3 partition is not in memory (swapped out to NVMe by offload_param: nvme); saving "
-                          "without a gather needs partitions in device or CPU memory")
+                          "without a gather needs partitions in device or CPU memory. Save through the Trainer or "
+                          "accelerate (with stage3_gather_16bit_weights_on_model_save, they gather as without "
+                          "hf_zero3_loader), or with the engine's save_checkpoint")
     return Zero3Partition(partition.data.view(-1), param.ds_zero_partition_world_size, param.ds_zero_partition_rank,
                           param.ds_process_group)
 

@@ -23,7 +23,7 @@ from . import _transformers_private as hf_private
 from . import log
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, find_index
-from .deepspeed_setup import check_supported, find_deepspeed_setup, resolve_dtype
+from .deepspeed_setup import check_supported, find_deepspeed_setup, offloads_params_to_nvme, resolve_dtype
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, request_from
 from .gc_pause import paused_gc
@@ -224,7 +224,6 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
                               "itself")
         kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
         distributed_config = kwargs.pop("distributed_config", None)  # its expert parallelism is ours to build
-        check_supported(setup)
         if init_context not in ("auto", "meta", "zero.Init"):
             raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
         from_state_dict = kwargs.get("state_dict") is not None  # every rank copies its partitions from its own
@@ -239,6 +238,12 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
         check_budget(staging_bytes)
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
+        if ep_request is not None and offloads_params_to_nvme(setup.config):
+            raise ConfigError("expert parallelism with NVMe parameter offload (offload_param.device='nvme') does not "
+                              "train in DeepSpeed 0.19.8: its parameter swapper fails at the first forward pass of an "
+                              "AutoEP layer (\"already assigned swap buffer\"), engine-side AutoEP included; offload "
+                              "to the CPU instead (offload_param.device='cpu')")
+        check_supported(setup)
         if (ep_request is not None and init_context == "zero.Init"
                 and not (setup.config.get("expert_parallel") or {}).get("enabled")):
             raise ConfigError("init_context='zero.Init' builds transformers' MoE blocks; expert parallelism is then "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._deepspeed_private import ZeroParamFactory
+from ._deepspeed_private import ZeroParamFactory, swap_out_to_nvme
 from .errors import LoaderError
 from .planner.plan import WORLD, PartitionGroup, TensorPlan
 
@@ -22,6 +22,7 @@ class Zero3Partitioner:
         self.local_device = self._factory.local_device
         self.remote_device = self._factory.remote_device
         self._process_groups = {WORLD: None}  # None: zero.Init's own group
+        self.nvme_params: list[torch.nn.Parameter] = []  # filled in host memory, then swapped out (`swap_out`)
 
     def world_group(self) -> PartitionGroup:
         """The group `zero.Init` would partition over (the world, or the config's data-parallel group)."""
@@ -50,20 +51,31 @@ class Zero3Partitioner:
             raise LoaderError(f"internal error: {name} planned for group {plan.group} but DeepSpeed partitions it "
                               f"over {param.ds_zero_partition_world_size} ranks (rank {param.ds_zero_partition_rank})")
         device = self.local_device if param.ds_persist else self.remote_device
-        partition = self._new_partition(plan.partition_numel, plan.dtype, device)
+        to_nvme = self._factory.swappable_to_nvme(param, plan.partition_numel, plan.dtype)
+        partition = self._new_partition(plan.partition_numel, plan.dtype, device, pin=not to_nvme)
         if plan.status == "load":  # the reads fill [0, end - start); only the padding must be zeroed
             partition[plan.end - plan.start :].zero_()
         else:  # missing: initialised later (or left zero, never garbage)
             partition.zero_()
         self._factory.attach_partition(param, partition, torch.empty(0, dtype=plan.dtype, device=self.local_device))
         module._parameters[name] = param
+        if to_nvme:
+            self.nvme_params.append(param)
         return param
 
-    def _new_partition(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def swap_out(self) -> int:
+        """NVMe offload: once the partitions hold their final values (read, missing keys initialised, ties checked),
+        write them to the swap files and free their host memory. Returns the bytes written."""
+        params, self.nvme_params = self.nvme_params, []
+        nbytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
+        swap_out_to_nvme(params)
+        return nbytes
+
+    def _new_partition(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = True) -> torch.Tensor:
         """Uninitialised storage; on the host page-locked when the config asks (`offload_param.pin_memory`), as
         zero.Init pins its partitions: the engine moves trainable ones into pinned buffers of its own, but frozen ones
         (a LoRA base model) stay where the load put them and are copied to the device at every gather."""
-        if self._factory.pin_memory and device.type == "cpu":
+        if pin and self._factory.pin_memory and device.type == "cpu":
             from deepspeed.accelerator import get_accelerator
 
             return get_accelerator().pin_empty(numel, dtype=dtype)  # a no-op pin on DeepSpeed's CPU accelerator

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 
 import torch
 
@@ -98,6 +99,7 @@ class Zero3Load:
         self.report = report
         self.budget_bytes = budget_bytes
         self.read_threads = read_threads
+        self.partitioner = None  # the load's Zero3Partitioner, once planning starts
 
     # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
     def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
@@ -135,7 +137,7 @@ class Zero3Load:
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
             self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint))
         with self.report.phase("plan"):
-            partitioner = Zero3Partitioner(self.setup.config)
+            partitioner = self.partitioner = Zero3Partitioner(self.setup.config)
             world = partitioner.world_group()
             resolution = resolve_checkpoint(model, checkpoint, load_config.weight_mapping or [],
                                             load_config.dtype_plan or {})
@@ -377,6 +379,11 @@ class Zero3Load:
                     hf_private.tied_equality(_zero3_tied_params_are_equal):
                 model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
             model._adjust_missing_and_unexpected_keys(loading_info)
+            if self.partitioner.nvme_params:  # NVMe offload: the final values go to the swap files
+                start = time.perf_counter()
+                params, nbytes = len(self.partitioner.nvme_params), self.partitioner.swap_out()
+                self.report.nvme = {"partitions_swapped_out": params, "bytes_swapped_out": nbytes,
+                                    "seconds": round(time.perf_counter() - start, 3)}
         finally:
             hf_private.report_loading(model, load_config, loading_info)
         return loading_info

@@ -332,7 +332,11 @@ def run_case(case: dict) -> dict:
         model.resize_token_embeddings(case["resize_to"])
     partitions = [p.ds_tensor for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
     result["partitions"] = {"devices": sorted({str(t.device) for t in partitions}),
-                            "pinned": sum(t.is_pinned() for t in partitions), "count": len(partitions)}
+                            "pinned": sum(t.is_pinned() for t in partitions), "count": len(partitions),
+                            # NVMe offload: partitions that live in swap files, their host memory freed
+                            "on_nvme": sum(str(getattr(t, "final_location", None)).endswith("nvme")
+                                           and str(getattr(t, "status", "")).endswith("NOT_AVAILABLE")
+                                           for t in partitions)}
     result["state"] = gather_state(model)
     result["sharing"] = sharing(model)
     result["config"] = model.config.to_dict()

@@ -56,6 +56,28 @@ def test_plan_prints_reads_memory_and_the_smallest_ep_size_that_fits(bench_check
     assert tight["fits"] is False and tight["smallest_ep_size_that_fits"] in (2, 4)
 
 
+def test_plan_predicts_the_host_memory_of_the_accelerator_path_and_of_offloading(bench_checkpoint):
+    """On an accelerator the partitions reach the device through the staging buffer (64 MiB by default), so the host
+    holds that, not the share (measured on an H100: README, "GPU"); offloaded partitions (cpu, nvme) are the share
+    in host memory, and nothing on the device."""
+    from hf_zero3_loader.cli import plan_report
+    from hf_zero3_loader.planner.memory import OURS_OVERHEAD
+    from hf_zero3_loader.staging import DEFAULT_STAGING_BYTES
+
+    on_device = plan_report(bench_checkpoint, 1, device="cuda")["ranks"]  # a share over 64 MiB
+    on_host = plan_report(bench_checkpoint, 1, device="cpu")["ranks"]
+    for device_rank, host_rank in zip(on_device, on_host):
+        share = host_rank["load_ours_host_bytes"] - OURS_OVERHEAD
+        assert share > DEFAULT_STAGING_BYTES
+        assert device_rank["load_ours_host_bytes"] == DEFAULT_STAGING_BYTES + OURS_OVERHEAD
+        assert device_rank["load_ours_device_bytes"] == share
+    for device in ("cpu", "nvme"):
+        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": device}}, "bf16": {"enabled": True}}
+        for offloaded, host_rank in zip(plan_report(bench_checkpoint, 1, ds_config=config)["ranks"], on_host):
+            assert offloaded["load_ours_host_bytes"] == host_rank["load_ours_host_bytes"]
+            assert offloaded["load_ours_device_bytes"] == 0
+
+
 @pytest.fixture(scope="module")
 def measured(workdir, bench_checkpoint):
     """Real 2-rank loads (ours, transformers' ZeRO-3 path) of a ~130 MB checkpoint, measured as the benchmark does."""

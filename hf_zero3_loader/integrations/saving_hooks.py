@@ -7,7 +7,9 @@ each partitioned parameter as an empty tensor (a dense model's checkpoint of `(0
 reverting MoE conversions ("chunk expects `chunks` to be greater than 0"). With `import hf_zero3_loader.auto` a
 partitioned `PreTrainedModel` is written by every rank from its own partitions instead; the files are the ones the
 gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT adapters, plain `nn.Module`s,
-ZeRO-1/2) goes to the original methods unchanged.
+ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and accelerate's saves of a model whose
+partitions are swapped out to NVMe (they gather it; a model's own `save_pretrained` of one is refused, not written
+empty).
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ _originals: dict = {}
 
 
 def _partitioned_pretrained_model(model):
+    """The PreTrainedModel to write without a gather, or None for the original method: not partitioned, or
+    partitions swapped out to NVMe (`offload_param: nvme`), which the Trainer and accelerate gather as before."""
     from transformers import PreTrainedModel
 
+    from .._deepspeed_private import on_nvme
     from ..saving import is_partitioned, unwrap
 
     module = unwrap(model)
-    return module if isinstance(module, PreTrainedModel) and is_partitioned(module) else None
+    if not (isinstance(module, PreTrainedModel) and is_partitioned(module)):
+        return None
+    return None if any(on_nvme(p) for p in module.parameters()) else module
 
 
 def _trainer_save_model(original):

@@ -2,8 +2,9 @@
 
 Per rank, in bytes:
 - the load, ours: its partitions (the plan's partition sizes in the engine's dtype, buffers whole). On an
-  accelerator the partitions live on the device and are staged whole in host memory first (until the staged
-  read path lands), so host and device both hold the share;
+  accelerator the partitions live on the device and reach it through the host staging buffer (`staging_bytes`,
+  64 MiB by default), so the host holds at most that; with `offload_param` (cpu or nvme) they are filled in host
+  memory (NVMe ones are swapped out once loaded, so the host holds the share only during the load);
 - the load, transformers' ZeRO-3 path: every rank holds its partitions plus one module gathered whole and its
   broadcast copy (2x the largest module); rank 0 also maps the whole checkpoint (file-backed pages);
 - after `deepspeed.initialize`, DeepSpeed's own estimate for ZeRO-3 model states
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..staging import DEFAULT_STAGING_BYTES
 from .plan import LoadPlan
 
 GiB = 1 << 30
@@ -77,7 +79,8 @@ class Prediction:
 
 
 def predict(plans: list[LoadPlan], model: torch.nn.Module, ds_config: dict, checkpoint_bytes: int, total_params: int,
-            largest_full: int, ep_size: int, device: str = "cuda", ranks_per_node: int = 8) -> Prediction:
+            largest_full: int, ep_size: int, device: str = "cuda", ranks_per_node: int = 8,
+            staging_bytes: int = DEFAULT_STAGING_BYTES) -> Prediction:
     """`model` as the load builds it (with expert parallelism: AutoEP layers holding local experts);
     `largest_full` the largest module of transformers' own model (what its ZeRO-3 path gathers)."""
     itemsize = engine_itemsize(ds_config)
@@ -89,13 +92,15 @@ def predict(plans: list[LoadPlan], model: torch.nn.Module, ds_config: dict, chec
     total = total_params
     largest, where = layer_params(model)
     on_device = device != "cpu"
-    ours_host = [s + OURS_OVERHEAD for s in shares]  # on an accelerator: a staged host copy of the whole share
-    ours_device = list(shares) if on_device else [0] * len(shares)
+    offload_optimizer, offload_param = _offload(ds_config, "offload_optimizer"), _offload(ds_config, "offload_param")
+    partitions_on_device = on_device and not offload_param
+    # on an accelerator the share passes through the staging buffer; offloaded or on CPU ranks it is in host memory
+    ours_host = [(min(s, staging_bytes) if partitions_on_device else s) + OURS_OVERHEAD for s in shares]
+    ours_device = list(shares) if partitions_on_device else [0] * len(shares)
     gathered = 2 * largest_full * itemsize  # one module gathered whole, and the copy broadcast from rank 0
     upstream_host = [(0 if on_device else s + gathered) + UPSTREAM_OVERHEAD + (checkpoint_bytes if p.rank == 0 else 0)
                      for s, p in zip(shares, plans)]  # rank 0 maps the whole checkpoint
     upstream_device = [s + gathered if on_device else 0 for s in shares]
-    offload_optimizer, offload_param = _offload(ds_config, "offload_optimizer"), _offload(ds_config, "offload_param")
     largest_layer_memory = 4 * largest
     per_node = min(world, ranks_per_node) * per_rank
     if offload_param:

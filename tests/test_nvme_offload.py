@@ -1,0 +1,122 @@
+"""NVMe parameter offload (`offload_param: {device: nvme}`, ZeRO-Infinity): each rank fills its partitions in host
+memory, initialises missing keys, checks ties, then writes them to DeepSpeed's swap files and frees them, as
+`zero.Init` leaves them. Gathered, they equal the plain load bit for bit; trained, the losses are transformers' own
+ZeRO-3 path's. Needs DeepSpeed's async_io op (built on first use against libaio, which `scripts/dev.sh` installs
+where it can); skipped where it cannot be built."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from tests.checkpoints import make_checkpoint
+from tests.conftest import run_torchrun
+from tests.dist_worker import ds_config_for
+
+
+@functools.lru_cache(maxsize=None)
+def _async_io_available() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and builder.is_compatible(verbose=False)
+
+
+pytestmark = pytest.mark.skipif(not _async_io_available(), reason="DeepSpeed's async_io op needs libaio")
+TORCH_ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+
+
+def nvme_config(dtype: str, swap_folder: str) -> dict:
+    """Few swap buffers (4 of 1M elements), so that a load swaps its partitions out in several groups."""
+    zero = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": swap_folder, "buffer_count": 4,
+                                          "buffer_size": 1 << 20, "max_in_cpu": 0}}
+    return ds_config_for(dtype, {"zero_optimization": zero, **TORCH_ADAM})
+
+
+def _moe_config(tie: bool = False):
+    """DeepSpeed swaps only partitions of at least 1 MiB (smaller ones stay in host memory, as zero.Init leaves
+    them): fused experts of 8 x 512 x 512 (4 MiB in bf16) give each of 3 ranks one, and so does the tied 1 MiB
+    embedding in fp32."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=1024, hidden_size=512, head_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=256, num_experts=8,
+                          num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=tie,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=None)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(path: str, dtype: str, model_class: str, seed: int, kwargs: tuple = ()) -> dict:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class).from_pretrained(path, dtype=getattr(torch, dtype), **dict(kwargs))
+    return {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
+                                        *model.named_buffers(remove_duplicate=False)]}
+
+
+def test_partitions_swapped_out_to_nvme_equal_the_plain_load_at_3_ranks(workdir):
+    """3 ranks do not divide the tensors; a MoE cast to the bf16 engine, a tied one in fp32, and a classifier whose
+    head is missing (initialised from the seed before the partitions go out)."""
+    moe = make_checkpoint(os.path.join(workdir, "nvme_qwen3_moe"), "qwen3_moe", config=_moe_config())
+    tied = make_checkpoint(os.path.join(workdir, "nvme_qwen3_moe_tied"), "qwen3_moe", config=_moe_config(tie=True))
+    cases = [
+        {"name": "moe", "path": moe, "dtype": "bfloat16", "model_class": "AutoModelForCausalLM", "seed": 0},
+        {"name": "tied", "path": tied, "dtype": "float32", "model_class": "AutoModelForCausalLM", "seed": 0},
+        {"name": "classifier", "path": tied, "dtype": "float32", "model_class": "AutoModelForSequenceClassification",
+         "seed": 7, "kwargs": {"num_labels": 3}},
+    ]
+    for case in cases:
+        case.update(ds_config=nvme_config(case["dtype"], os.path.join(workdir, "nvme_swap", case["name"])),
+                    out=os.path.join(workdir, f"nvme_{case['name']}.pt"))
+    # swap buffers smaller than a partition: refused on every rank with the size to ask for (zero.Init asserts)
+    small = nvme_config("bfloat16", os.path.join(workdir, "nvme_swap", "small"))
+    small["zero_optimization"]["offload_param"]["buffer_size"] = 1 << 18
+    dumps = run_torchrun(3, [*cases, {**cases[0], "name": "small buffers", "ds_config": small,
+                                      "out": os.path.join(workdir, "nvme_small.pt")}], workdir)
+    for got in dumps.pop()["ranks"]:
+        assert got["error"]["type"] == "ConfigError", got["error"]
+        assert "do not fit DeepSpeed's NVMe swap buffers of offload_param.buffer_size=262144" in got["error"]["message"]
+    for case, dump in zip(cases, dumps):
+        for rank, got in enumerate(dump["ranks"]):
+            assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
+            nvme = got["report"]["nvme"]
+            # every partition large enough for the swapper lives in its swap file, its host copy freed
+            assert nvme["partitions_swapped_out"] == got["partitions"]["on_nvme"] > 0, (case["name"], rank, nvme)
+            assert nvme["bytes_swapped_out"] > 0
+            swap = os.path.join(case["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"], "zero_stage_3",
+                                f"{case['dtype']}params", f"rank{rank}")
+            assert len(os.listdir(swap)) == nvme["partitions_swapped_out"], (case["name"], rank)
+        got = dump["rank0"]
+        want = _plain(case["path"], case["dtype"], case["model_class"], case["seed"],
+                      tuple(sorted(case.get("kwargs", {}).items())))
+        assert set(got["state"]) == set(want), case["name"]
+        for name, expected in want.items():
+            actual = got["state"][name]
+            assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{case['name']} {name}"
+
+
+def test_training_from_nvme_partitions_equals_transformers_own_zero3_path(workdir):
+    """The engine swaps the partitions in and out as it would after zero.Init: the same losses."""
+    path = make_checkpoint(os.path.join(workdir, "nvme_train_qwen3_moe"), "qwen3_moe", dtype=torch.bfloat16,
+                           config=_moe_config())
+    cases = [{"name": variant, "path": path, "dtype": "bfloat16", "upstream": variant == "upstream",
+              "ds_config": nvme_config("bfloat16", os.path.join(workdir, "nvme_swap", f"train_{variant}")),
+              "train_steps": 2, "out": os.path.join(workdir, f"nvme_train_{variant}.pt")}
+             for variant in ("ours", "upstream")]
+    # the model's own save_pretrained cannot write partitions that live in swap files without a gather: refused on
+    # every rank with what to use instead (transformers' own writes them as empty tensors)
+    cases[0]["save"] = {"dir": os.path.join(workdir, "nvme_saved"), "direct": True}
+    ours, upstream = run_torchrun(2, cases, workdir)
+    for dump in (ours, upstream):
+        assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
+    assert ours["rank0"]["report"]["init_context"] == "zero3-meta"
+    assert ours["rank0"]["losses"] == upstream["rank0"]["losses"]
+    for got in ours["ranks"]:
+        error = got["save_error"]
+        assert error["type"] == "ConfigError" and "swapped out to NVMe" in error["message"], error
+        assert "Trainer or accelerate" in error["message"]
+    assert not os.path.exists(os.path.join(workdir, "nvme_saved", "config.json"))
