@@ -354,8 +354,12 @@ def main() -> None:
                     help="load from a state dict held before the window: on every rank, or on rank 0 (meta elsewhere)")
     ap.add_argument("--dequantize", action="store_true",
                     help="a quantized checkpoint: both variants pass FineGrainedFP8Config(dequantize=True)")
+    ap.add_argument("--nvme-path", help="offload_param to NVMe (DeepSpeed's default swap buffers), swap files here")
     args = ap.parse_args()
     config = ds_config(args.ep_size)
+    if args.nvme_path:
+        config = {**config, "zero_optimization": {**config["zero_optimization"],
+                                                  "offload_param": {"device": "nvme", "nvme_path": args.nvme_path}}}
     if args.variant == "ours_faulting":  # ours with the reads faulting pages in (no populate), for the A/B rows
         from hf_zero3_loader.reader import PREFAULT_ENV
 

@@ -60,27 +60,27 @@ PREFAULT_AB = ("ours_faulting", "floor_populated")  # --prefault-ab: ours withou
 
 def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float, repeats: int, ep: bool = False,
               stream: bool = False, fp8: bool = False, cold: bool = False, tag: str = "", upstream: bool = True,
-              prefault_ab: bool = False, state_dict: str | None = None) -> dict:
+              prefault_ab: bool = False, state_dict: str | None = None, nvme: bool = False) -> dict:
     """Every variant `repeats` times, interleaved in rotating order; keeps each variant's median run.
 
     With W ranks on a 2-core machine the wall time of one launch varies a lot with scheduling, so each variant is
     launched `repeats` times and the run whose slowest rank is the median is reported (all runs are in the JSON).
     """
     d = os.path.join(workdir, f"w{world}{'_ep' if ep else ''}{'_fp8' if fp8 else ''}{'_cold' if cold else ''}{tag}"
-                              f"{'_state_dict_' + state_dict if state_dict else ''}")
+                              f"{'_state_dict_' + state_dict if state_dict else ''}{'_nvme' if nvme else ''}")
     os.makedirs(d, exist_ok=True)
     # FP8: ours, transformers' ZeRO-3 path (both dequantizing), and the plain single-process load on rank 0
     variants = ("ours", "upstream") if ep else ("ours", "upstream", "plain") if fp8 else VARIANTS[:4] if stream else VARIANTS[:3]
     if fp8 and stream:  # FP8 streamed: the receivers get the stored bytes and dequantize them
         variants += ("stream",)
-    if state_dict:  # in memory before the window: no read floor
+    if state_dict or nvme:  # in memory before the window, or written to swap files after the read: no read floor
         variants = ("ours", "upstream")
     if not upstream:
         variants = tuple(v for v in variants if v != "upstream")
     if prefault_ab and not ep:
         variants += PREFAULT_AB
     out: dict = {"world_size": world, "runs": {v: [] for v in variants}, "launch_seconds": {v: [] for v in variants},
-                 "ep_size": world if ep else None, "cold": cold, "state_dict": state_dict}
+                 "ep_size": world if ep else None, "cold": cold, "state_dict": state_dict, "nvme": nvme}
     for rep in range(repeats):
         # the order rotates each round (ours first in the first: the floors read the spans it writes), so no variant
         # always runs right after another: on this VM a launch's speed depends on what the one before it left
@@ -94,6 +94,7 @@ def run_world(world: int, ckpt: str, workdir: str, verify: bool, timeout: float,
             args += ["--dequantize"] if fp8 else []
             args += ["--cold"] if cold else []
             args += ["--state-dict", state_dict] if state_dict else []
+            args += ["--nvme-path", os.path.join(d, f"swap_{variant}")] if nvme else []
             check = verify and rep == 0
             if variant == "ours" and rep == 0 and not fp8 and not state_dict:
                 args += ["--spans-out", os.path.join(d, "spans.json")]
@@ -202,11 +203,14 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
     budget = ckpt_bytes / world + 128 * MiB
     if run.get("state_dict"):  # the targets are those of a load from files; the equality check still applies
         lines.append("- (a state dict in memory: the load-from-files targets of speed and memory do not apply)")
+    elif run.get("nvme"):  # both variants build DeepSpeed's swapper: its pinned buffers are in both RSS growths
+        lines.append("- (NVMe offload: both variants hold DeepSpeed's pinned swap buffers, 5 x 1e8 elements by default, "
+                     "and page-lock them inside the window; the targets of a load to memory do not apply)")
     elif t_ours and t_up:
         ok = t_up / t_ours >= 10
         targets["ours >= 10x faster than upstream"] = ok
         lines.append(f"- ours >= 10x faster than upstream: {t_up / t_ours:.2f}x -> {'PASS' if ok else 'FAIL'}")
-    if by["ours"] and not run.get("state_dict"):
+    if by["ours"] and not run.get("state_dict") and not run.get("nvme"):
         every = [r["rss_growth"] for ranks in run["runs"]["ours"] for r in ranks]
         ok = max(every) <= budget
         targets["ours peak RSS growth per rank <= checkpoint/W + 128 MiB"] = ok
@@ -263,6 +267,9 @@ def main() -> None:
                     help="ours and upstream load `from_pretrained(None, config=..., state_dict=...)` from the "
                          "checkpoint's tensors held in memory before the window: on every rank, or on rank 0 only "
                          "(meta tensors on the others, which ours streams from rank 0 and upstream broadcasts)")
+    ap.add_argument("--nvme", action="store_true",
+                    help="ours and upstream with offload_param to NVMe (DeepSpeed's default swap buffers; swap files "
+                         "under WORKDIR): the partitions are written to swap files within the window")
     ap.add_argument("--prefault-ab", action="store_true",
                     help="also run ours with HF_ZERO3_LOADER_PREFAULT=0 (reads fault pages in) and the floor with the "
                          "loader's populate call, to measure what populating the destinations buys")
@@ -313,7 +320,7 @@ def main() -> None:
             run = run_world(world, ckpt, workdir, verify=world == verify_world and not args.no_upstream, timeout=args.timeout,
                             repeats=args.repeats, ep=ep, stream=args.stream, fp8=args.fp8_only, cold=args.cold,
                             tag="" if args.size == "bench" else f"_{args.size}", upstream=not args.no_upstream,
-                            prefault_ab=args.prefault_ab, state_dict=args.state_dict)
+                            prefault_ab=args.prefault_ab, state_dict=args.state_dict, nvme=args.nvme)
             text, summary = summarize(world, run, ckpt_bytes)
             run.update(summary)
             report["worlds"][f"{world}{'_ep' if ep else ''}"] = run

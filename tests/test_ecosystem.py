@@ -16,21 +16,25 @@ from tests.conftest import run_torchrun
 from tests.test_accelerate import accelerate_launch
 
 
-def test_trl_sft_trainer_with_a_model_path_trains_the_same_with_the_import(workdir):
-    path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_qwen3_moe"), "qwen3_moe",
+def _trl_runs(workdir: str, name: str, script: str, zero: dict) -> tuple[dict, dict]:
+    """`script` under `accelerate launch` (ZeRO-3, bf16) with and without the import: what each run wrote."""
+    path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, f"{name}_qwen3_moe"), "qwen3_moe",
                                               config=trainable_moe_config()), 101)
-    config = os.path.join(workdir, "ds_trl.json")
+    config = os.path.join(workdir, f"ds_{name}.json")
     with open(config, "w") as f:  # what an accelerate user's file says: the Trainer fills in the "auto"s
         json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
-                   "bf16": {"enabled": "auto"}}, f)
+                   "zero_optimization": {"stage": 3, **zero}, "bf16": {"enabled": "auto"}}, f)
     runs = {}
     for variant in ("with-loader", "without"):
-        out = os.path.join(workdir, f"trl_{variant}.json")
-        accelerate_launch(config, "trl_script.py", path, out, variant)
+        out = os.path.join(workdir, f"{name}_{variant}.json")
+        accelerate_launch(config, script, path, out, variant)
         with open(out) as f:
             runs[variant] = json.load(f)
-    ours, upstream = runs["with-loader"], runs["without"]
+    return runs["with-loader"], runs["without"]
+
+
+def test_trl_sft_trainer_with_a_model_path_trains_the_same_with_the_import(workdir):
+    ours, upstream = _trl_runs(workdir, "trl", "trl_script.py", {"stage3_gather_16bit_weights_on_model_save": True})
     assert ours["report"]["init_context"] == "zero3-meta" and upstream["report"] is None
     assert len(ours["losses"]) == 3
     assert ours["losses"] == upstream["losses"]
@@ -52,19 +56,7 @@ def test_trl_dpo_trainer_loads_its_reference_model_too_and_trains_the_same_with_
     """DPOTrainer(model="<path>") loads the path twice (the policy, then its frozen reference, which TRL wraps in an
     inference ZeRO-3 engine of its own): both loads go through the loader, and the losses and rewards (policy
     against reference log-probabilities) are the plain path's, bit for bit."""
-    path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "dpo_qwen3_moe"), "qwen3_moe",
-                                              config=trainable_moe_config()), 101)
-    config = os.path.join(workdir, "ds_dpo.json")
-    with open(config, "w") as f:
-        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, f)
-    runs = {}
-    for variant in ("with-loader", "without"):
-        out = os.path.join(workdir, f"dpo_{variant}.json")
-        accelerate_launch(config, "trl_dpo_script.py", path, out, variant)
-        with open(out) as f:
-            runs[variant] = json.load(f)
-    ours, upstream = runs["with-loader"], runs["without"]
+    ours, upstream = _trl_runs(workdir, "dpo", "trl_dpo_script.py", {})
     assert ours["init_contexts"] == ["zero3-meta", "zero3-meta"] and upstream["init_contexts"] == [None, None]
     assert ours["ref_model"] == upstream["ref_model"] == "DeepSpeedEngine"
     assert len(ours["logged"]) == 3 and ours["logged"][-1]["rewards/chosen"] != 0.0
