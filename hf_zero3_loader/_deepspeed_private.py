@@ -15,7 +15,8 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
 - NVMe parameter offload (`offload_param: {device: nvme}`): `Init.param_swapper` (an `AsyncPartitionedParameterSwapper`,
   attached to every converted param as `nvme_swapper`); a partition goes out as `Init._partition_param` sends it:
   `get_buffer` (one of its `buffer_count` pinned buffers), the values copied in, `ds_tensor.final_location = nvme`,
-  `swap_out_and_release` (written, buffer released, `ds_tensor` NOT_AVAILABLE until a gather swaps it in).
+  `swap_out_and_release` (written, buffer released, `ds_tensor` NOT_AVAILABLE until a gather swaps it in);
+  `swap_in(params, async_op=False)` / `remove_partition_and_release_buffers` read one back for a moment.
 
 Missing-key init (`missing_init.py`): `GatheredParameters(modifier_rank=r)` broadcasts `p.data.view(torch.uint8)` on
 exit, which raises for a 0-dim parameter (CLIP's `logit_scale`); `gathered_to_modify` gives those a 1-element shape
@@ -162,6 +163,23 @@ def callers_zero_init_paused():
 
 def is_zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
+
+
+@contextmanager
+def partitions_in_memory(params: list[torch.Tensor]):
+    """The partitions of `params` readable in `ds_tensor` inside the block: those swapped out to NVMe are swapped in
+    (synchronously, through the swapper's buffers) and released again after it."""
+    from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+    swapped = list({id(p): p for p in params if on_nvme(p)
+                    and p.ds_tensor.status == PartitionedParamStatus.NOT_AVAILABLE}.values())
+    if swapped:
+        swapped[0].nvme_swapper.swap_in(swapped, async_op=False)
+    try:
+        yield
+    finally:
+        if swapped:
+            swapped[0].nvme_swapper.remove_partition_and_release_buffers(swapped)
 
 
 def on_nvme(param: torch.Tensor) -> bool:

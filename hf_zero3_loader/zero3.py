@@ -22,7 +22,10 @@ class Zero3Partitioner:
         self.local_device = self._factory.local_device
         self.remote_device = self._factory.remote_device
         self._process_groups = {WORLD: None}  # None: zero.Init's own group
-        self.nvme_params: list[torch.nn.Parameter] = []  # filled in host memory, then swapped out (`swap_out`)
+        # NVMe offload: params whose partitions are filled in host memory, then swapped out (`swap_out`), by id of
+        # their partition (a read's destination)
+        self.nvme_params: dict[int, torch.nn.Parameter] = {}
+        self.swapped_out = {"partitions": 0, "bytes": 0}
 
     def world_group(self) -> PartitionGroup:
         """The group `zero.Init` would partition over (the world, or the config's data-parallel group)."""
@@ -60,16 +63,21 @@ class Zero3Partitioner:
         self._factory.attach_partition(param, partition, torch.empty(0, dtype=plan.dtype, device=self.local_device))
         module._parameters[name] = param
         if to_nvme:
-            self.nvme_params.append(param)
+            self.nvme_params[id(partition)] = param
         return param
 
-    def swap_out(self) -> int:
-        """NVMe offload: once the partitions hold their final values (read, missing keys initialised, ties checked),
-        write them to the swap files and free their host memory. Returns the bytes written."""
-        params, self.nvme_params = self.nvme_params, []
-        nbytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
+    def swap_out(self, partitions: list[torch.Tensor] | None = None, model: torch.nn.Module | None = None) -> None:
+        """NVMe offload: write the partitions that hold their final values (all that are left when None) to their
+        swap files and free their host memory; the others are not NVMe's. With `model`, params no longer in it
+        (tied away to another) are dropped instead of written."""
+        keys = list(self.nvme_params) if partitions is None else [id(p) for p in partitions if id(p) in self.nvme_params]
+        params = [self.nvme_params.pop(key) for key in keys]
+        if model is not None:
+            live = {id(p) for p in model.parameters()}
+            params = [p for p in params if id(p) in live]
+        self.swapped_out["partitions"] += len(params)
+        self.swapped_out["bytes"] += sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in params)
         swap_out_to_nvme(params)
-        return nbytes
 
     def _new_partition(self, numel: int, dtype: torch.dtype, device: torch.device, pin: bool = True) -> torch.Tensor:
         """Uninitialised storage; on the host page-locked when the config asks (`offload_param.pin_memory`), as

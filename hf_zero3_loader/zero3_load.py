@@ -17,18 +17,19 @@ import hashlib
 import json
 import os
 import threading
-import time
 
 import torch
 
 from . import _transformers_private as hf_private
 from . import log
+from ._deepspeed_private import partitions_in_memory
 from .agreement import Agreement
 from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
                          open_checkpoint)
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, LoaderError
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
+from .nvme_offload import read_in_waves
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
                            resolve_checkpoint, suspicious_missing_keys)
 from .reader import FileReader, node_reads_whole_files, run_reads
@@ -100,6 +101,7 @@ class Zero3Load:
         self.budget_bytes = budget_bytes
         self.read_threads = read_threads
         self.partitioner = None  # the load's Zero3Partitioner, once planning starts
+        self.nvme_waves = None  # NVMe offload: how the reads went in waves (`nvme_offload.read_in_waves`)
 
     # -- replaces PreTrainedModel._load_pretrained_model ---------------------------------------------
     def load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
@@ -337,7 +339,12 @@ class Zero3Load:
                         raise LoaderError("reading this rank's partitions was cancelled: streaming failed")
                     bar.update(nbytes)
 
-                run_reads(in_place, reader, threads=self.read_threads, progress=progress)
+                if self.partitioner is not None and self.partitioner.nvme_params:  # NVMe offload: read and swap out
+                    self.nvme_waves = read_in_waves(in_place, functools.partial(
+                        run_reads, reader=reader, threads=self.read_threads, progress=progress), self.partitioner,
+                        self.staging_bytes)
+                else:
+                    run_reads(in_place, reader, threads=self.read_threads, progress=progress)
                 if staged:
                     self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
                                                            progress=progress).summary()
@@ -379,11 +386,12 @@ class Zero3Load:
                     hf_private.tied_equality(_zero3_tied_params_are_equal):
                 model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
             model._adjust_missing_and_unexpected_keys(loading_info)
-            if self.partitioner.nvme_params:  # NVMe offload: the final values go to the swap files
-                start = time.perf_counter()
-                params, nbytes = len(self.partitioner.nvme_params), self.partitioner.swap_out()
-                self.report.nvme = {"partitions_swapped_out": params, "bytes_swapped_out": nbytes,
-                                    "seconds": round(time.perf_counter() - start, 3)}
+            if self.partitioner.nvme_params or self.nvme_waves:  # NVMe offload: what is left goes to the swap files
+                # the missing keys' partitions, initialised (or partitions streamed here), unless tied away
+                self.partitioner.swap_out(model=model)
+                swapped = self.partitioner.swapped_out
+                self.report.nvme = {"partitions_swapped_out": swapped["partitions"],
+                                    "bytes_swapped_out": swapped["bytes"], **(self.nvme_waves or {})}
         finally:
             hf_private.report_loading(model, load_config, loading_info)
         return loading_info
@@ -409,7 +417,8 @@ def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> 
         return source.shape == target.shape and torch.equal(source, target)
     if source.ds_shape != target.ds_shape:
         return False
-    differs = torch.tensor([0 if torch.equal(source.ds_tensor, target.ds_tensor) else 1], dtype=torch.int32,
-                           device=source.ds_tensor.device)  # NCCL reduces only accelerator tensors
+    with partitions_in_memory([source, target]):  # NVMe offload: swapped in for the comparison
+        differs = torch.tensor([0 if torch.equal(source.ds_tensor, target.ds_tensor) else 1], dtype=torch.int32,
+                               device=source.ds_tensor.device)  # NCCL reduces only accelerator tensors
     dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=source.ds_process_group)
     return differs.item() == 0

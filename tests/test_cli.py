@@ -58,8 +58,8 @@ def test_plan_prints_reads_memory_and_the_smallest_ep_size_that_fits(bench_check
 
 def test_plan_predicts_the_host_memory_of_the_accelerator_path_and_of_offloading(bench_checkpoint):
     """On an accelerator the partitions reach the device through the staging buffer (64 MiB by default), so the host
-    holds that, not the share (measured on an H100: README, "GPU"); offloaded partitions (cpu, nvme) are the share
-    in host memory, and nothing on the device."""
+    holds that, not the share (measured on an H100: README, "GPU"); partitions offloaded to the host are the share in
+    host memory; to NVMe, a wave of the staging budget and DeepSpeed's swap buffers. Nothing on the device."""
     from hf_zero3_loader.cli import plan_report
     from hf_zero3_loader.planner.memory import OURS_OVERHEAD
     from hf_zero3_loader.staging import DEFAULT_STAGING_BYTES
@@ -72,9 +72,11 @@ def test_plan_predicts_the_host_memory_of_the_accelerator_path_and_of_offloading
         assert device_rank["load_ours_host_bytes"] == DEFAULT_STAGING_BYTES + OURS_OVERHEAD
         assert device_rank["load_ours_device_bytes"] == share
     for device in ("cpu", "nvme"):
-        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": device}}, "bf16": {"enabled": True}}
+        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": device, "buffer_count": 4,
+                                                                      "buffer_size": 1e6}}, "bf16": {"enabled": True}}
         for offloaded, host_rank in zip(plan_report(bench_checkpoint, 1, ds_config=config)["ranks"], on_host):
-            assert offloaded["load_ours_host_bytes"] == host_rank["load_ours_host_bytes"]
+            nvme = DEFAULT_STAGING_BYTES + 4 * 10**6 * 2 + OURS_OVERHEAD  # a wave, and 4 swap buffers of bf16
+            assert offloaded["load_ours_host_bytes"] == (nvme if device == "nvme" else host_rank["load_ours_host_bytes"])
             assert offloaded["load_ours_device_bytes"] == 0
 
 

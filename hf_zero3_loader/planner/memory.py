@@ -3,8 +3,9 @@
 Per rank, in bytes:
 - the load, ours: its partitions (the plan's partition sizes in the engine's dtype, buffers whole). On an
   accelerator the partitions live on the device and reach it through the host staging buffer (`staging_bytes`,
-  64 MiB by default), so the host holds at most that; with `offload_param` (cpu or nvme) they are filled in host
-  memory (NVMe ones are swapped out once loaded, so the host holds the share only during the load);
+  64 MiB by default), so the host holds at most that; with `offload_param: cpu` they are the share in host memory;
+  with `offload_param: nvme` they are read in waves of `staging_bytes` and swapped out after each, so the host holds
+  one wave and DeepSpeed's pinned swap buffers (`buffer_count` x `buffer_size`, which transformers' path holds too);
 - the load, transformers' ZeRO-3 path: every rank holds its partitions plus one module gathered whole and its
   broadcast copy (2x the largest module); rank 0 also maps the whole checkpoint (file-backed pages);
 - after `deepspeed.initialize`, DeepSpeed's own estimate for ZeRO-3 model states
@@ -35,6 +36,14 @@ OURS_OVERHEAD, UPSTREAM_OVERHEAD = 16 * MiB, 96 * MiB
 def _offload(ds_config: dict, key: str) -> bool:
     section = ((ds_config or {}).get("zero_optimization") or {}).get(key) or {}
     return str(section.get("device", "none")).lower() in ("cpu", "nvme")
+
+
+def _nvme_swap_buffer_bytes(ds_config: dict, itemsize: int) -> int:
+    """DeepSpeed's pinned parameter swap buffers under `offload_param: nvme` (its defaults: 5 of 1e8 elements)."""
+    section = ((ds_config or {}).get("zero_optimization") or {}).get("offload_param") or {}
+    if str(section.get("device", "none")).lower() != "nvme":
+        return 0
+    return int(section.get("buffer_count", 5)) * int(float(section.get("buffer_size", 1e8))) * itemsize
 
 
 def engine_itemsize(ds_config: dict) -> int:
@@ -93,13 +102,16 @@ def predict(plans: list[LoadPlan], model: torch.nn.Module, ds_config: dict, chec
     largest, where = layer_params(model)
     on_device = device != "cpu"
     offload_optimizer, offload_param = _offload(ds_config, "offload_optimizer"), _offload(ds_config, "offload_param")
+    swap_buffers = _nvme_swap_buffer_bytes(ds_config, itemsize)
     partitions_on_device = on_device and not offload_param
-    # on an accelerator the share passes through the staging buffer; offloaded or on CPU ranks it is in host memory
-    ours_host = [(min(s, staging_bytes) if partitions_on_device else s) + OURS_OVERHEAD for s in shares]
+    # on an accelerator the share passes through the staging buffer, to NVMe in waves of that size; offloaded to the
+    # host or on CPU ranks it is in host memory
+    waves = partitions_on_device or swap_buffers > 0
+    ours_host = [(min(s, staging_bytes) if waves else s) + swap_buffers + OURS_OVERHEAD for s in shares]
     ours_device = list(shares) if partitions_on_device else [0] * len(shares)
     gathered = 2 * largest_full * itemsize  # one module gathered whole, and the copy broadcast from rank 0
-    upstream_host = [(0 if on_device else s + gathered) + UPSTREAM_OVERHEAD + (checkpoint_bytes if p.rank == 0 else 0)
-                     for s, p in zip(shares, plans)]  # rank 0 maps the whole checkpoint
+    upstream_host = [(0 if on_device else s + gathered) + swap_buffers + UPSTREAM_OVERHEAD
+                     + (checkpoint_bytes if p.rank == 0 else 0) for s, p in zip(shares, plans)]  # rank 0 maps it all
     upstream_device = [s + gathered if on_device else 0 for s in shares]
     largest_layer_memory = 4 * largest
     per_node = min(world, ranks_per_node) * per_rank
