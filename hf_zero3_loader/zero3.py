@@ -70,7 +70,8 @@ class Zero3Partitioner:
         """NVMe offload: write the partitions that hold their final values (all that are left when None) to their
         swap files and free their host memory; the others are not NVMe's. With `model`, params no longer in it
         (tied away to another) are dropped instead of written."""
-        keys = list(self.nvme_params) if partitions is None else [id(p) for p in partitions if id(p) in self.nvme_params]
+        keys = (list(self.nvme_params) if partitions is None
+                else [id(p) for p in partitions if id(p) in self.nvme_params])
         params = [self.nvme_params.pop(key) for key in keys]
         if model is not None:
             live = {id(p) for p in model.parameters()}

@@ -204,8 +204,8 @@ def summarize(world: int, run: dict, ckpt_bytes: int) -> tuple[str, dict]:
     if run.get("state_dict"):  # the targets are those of a load from files; the equality check still applies
         lines.append("- (a state dict in memory: the load-from-files targets of speed and memory do not apply)")
     elif run.get("nvme"):  # both variants build DeepSpeed's swapper: its pinned buffers are in both RSS growths
-        lines.append("- (NVMe offload: both variants hold DeepSpeed's pinned swap buffers, 5 x 1e8 elements by default, "
-                     "and page-lock them inside the window; the targets of a load to memory do not apply)")
+        lines.append("- (NVMe offload: both variants hold DeepSpeed's pinned swap buffers, 5 x 1e8 elements by "
+                     "default, and page-lock them inside the window; the targets of a load to memory do not apply)")
     elif t_ours and t_up:
         ok = t_up / t_ours >= 10
         targets["ours >= 10x faster than upstream"] = ok

@@ -76,7 +76,8 @@ def test_plan_predicts_the_host_memory_of_the_accelerator_path_and_of_offloading
                                                                       "buffer_size": 1e6}}, "bf16": {"enabled": True}}
         for offloaded, host_rank in zip(plan_report(bench_checkpoint, 1, ds_config=config)["ranks"], on_host):
             nvme = DEFAULT_STAGING_BYTES + 4 * 10**6 * 2 + OURS_OVERHEAD  # a wave, and 4 swap buffers of bf16
-            assert offloaded["load_ours_host_bytes"] == (nvme if device == "nvme" else host_rank["load_ours_host_bytes"])
+            want = nvme if device == "nvme" else host_rank["load_ours_host_bytes"]
+            assert offloaded["load_ours_host_bytes"] == want
             assert offloaded["load_ours_device_bytes"] == 0
 
 

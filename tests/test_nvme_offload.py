@@ -1,8 +1,9 @@
 """NVMe parameter offload (`offload_param: {device: nvme}`, ZeRO-Infinity): each rank reads its partitions in waves
 of at most `staging_bytes`, writing each wave to DeepSpeed's swap files and freeing it (`nvme_offload.py`); missing
 keys' partitions go out once initialised; ties are checked on partitions swapped back in. Gathered, they equal the
-plain load bit for bit; trained, the losses are transformers' own ZeRO-3 path's. Needs DeepSpeed's async_io op (built on first use against libaio, which `scripts/dev.sh` installs
-where it can); skipped where it cannot be built."""
+plain load bit for bit; trained, the losses are transformers' own ZeRO-3 path's. Needs DeepSpeed's async_io op
+(built on first use against libaio, which `scripts/dev.sh` installs where it can); skipped where it cannot be
+built."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def _moe_config(tie: bool = False, vocab_size: int = 4096):
     ranks one."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=512, head_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=512, moe_intermediate_size=256, num_experts=8,
+    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=512, head_dim=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+                          moe_intermediate_size=256, num_experts=8,
                           num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=tie,
                           pad_token_id=0, eos_token_id=1, bos_token_id=None)
 
