@@ -208,6 +208,7 @@ def test_a_streaming_readers_own_read_stops_when_serving_fails(workdir, monkeypa
                     if t.status == "load"]
     loader = Zero3Load.__new__(Zero3Load)  # only what reading needs: a report, threads, a staging budget
     loader.report, loader.read_threads, loader.staging_bytes = LoadReport("zero3-meta", "test"), 1, 4096
+    loader.partitioner = None  # no NVMe offload
     cancel = threading.Event()
     cancel.set()  # serving has failed
     with pytest.raises(LoaderError, match="cancelled: streaming failed"):
