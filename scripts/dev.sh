@@ -21,8 +21,9 @@ case "$command" in
     # (as root); elsewhere those tests skip
     if [ ! -e /usr/include/libaio.h ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
       export DEBIAN_FRONTEND=noninteractive
-      { apt-get install -y -q libaio-dev >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libaio-dev >/dev/null 2>&1; }; } \
+      { timeout 300 apt-get install -y -q libaio-dev >/dev/null 2>&1 \
+        || { timeout 300 apt-get update -q >/dev/null 2>&1 \
+             && timeout 300 apt-get install -y -q libaio-dev >/dev/null 2>&1; }; } \
         || echo "libaio-dev could not be installed: the NVMe offload tests will be skipped" >&2
     fi
     exec python -m pytest -q "$@" ;;
