@@ -6,6 +6,7 @@ accelerate's `AcceleratorState` -> the environment `accelerate launch` sets.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -96,23 +97,31 @@ def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup 
     return DeepSpeedSetup(config, "accelerate launch environment") if config else None
 
 
-def offloads_params_to_nvme(config: dict) -> bool:
-    offload = (config.get("zero_optimization") or {}).get("offload_param") or {}
-    return str(offload.get("device", "none")).lower() == "nvme"
+def nvme_param_offload(config: dict | None) -> dict | None:
+    """The `offload_param` section when it offloads to NVMe, else None."""
+    offload = ((config or {}).get("zero_optimization") or {}).get("offload_param") or {}
+    return offload if str(offload.get("device", "none")).lower() == "nvme" else None
+
+
+@functools.lru_cache(maxsize=None)
+def async_io_buildable() -> bool:
+    """Whether DeepSpeed's async_io op (NVMe swapping) can be built here: its builder probes for libaio with the
+    compiler (0.05-0.17 s), so once per process."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and builder.is_compatible(verbose=False)
 
 
 def check_supported(setup: DeepSpeedSetup) -> None:
     """NVMe parameter offload needs DeepSpeed's async_io op, built on first use against libaio: say so up front
     rather than through the op builder's compile error."""
-    offload = (setup.config.get("zero_optimization") or {}).get("offload_param") or {}
-    if offloads_params_to_nvme(setup.config):
+    offload = nvme_param_offload(setup.config)
+    if offload is not None:
         if not offload.get("nvme_path"):
             raise ConfigError("offload_param.device='nvme' needs offload_param.nvme_path (a folder on a fast local "
                               "disk for the parameter swap files)")
-        from deepspeed.accelerator import get_accelerator
-
-        builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-        if builder is None or not builder.is_compatible(verbose=False):
+        if not async_io_buildable():
             raise ConfigError("NVMe parameter offload (offload_param.device='nvme') needs DeepSpeed's async_io op, "
                               "which cannot be built here: install libaio (e.g. `apt install libaio-dev`)")
 

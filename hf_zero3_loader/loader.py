@@ -23,7 +23,7 @@ from . import _transformers_private as hf_private
 from . import log
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, find_index
-from .deepspeed_setup import check_supported, find_deepspeed_setup, offloads_params_to_nvme, resolve_dtype
+from .deepspeed_setup import check_supported, find_deepspeed_setup, nvme_param_offload, resolve_dtype
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, request_from
 from .gc_pause import paused_gc
@@ -238,7 +238,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
         check_budget(staging_bytes)
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
-        if ep_request is not None and offloads_params_to_nvme(setup.config):
+        if ep_request is not None and nvme_param_offload(setup.config) is not None:
             raise ConfigError("expert parallelism with NVMe parameter offload (offload_param.device='nvme') does not "
                               "train in DeepSpeed 0.19.8: its parameter swapper fails at the first forward pass of an "
                               "AutoEP layer (\"already assigned swap buffer\"), engine-side AutoEP included; offload "

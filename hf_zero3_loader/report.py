@@ -37,7 +37,7 @@ class LoadReport:
     expert_parallel: dict | None = None  # EP rank, local experts, bytes read for experts vs the rest
     stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
     staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
-    nvme: dict | None = None  # NVMe offload: the partitions swapped out after the load, their bytes, seconds
+    nvme: dict | None = None  # NVMe offload: partitions and bytes swapped out, the read's waves
     expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
 
     def phase(self, name: str):

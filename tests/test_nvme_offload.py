@@ -13,20 +13,13 @@ import os
 import pytest
 import torch
 
+from hf_zero3_loader.deepspeed_setup import async_io_buildable
 from tests.checkpoints import make_checkpoint, rewrite_checkpoint
 from tests.conftest import run_torchrun
 from tests.dist_worker import ds_config_for
 
 
-@functools.lru_cache(maxsize=None)
-def _async_io_available() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    return builder is not None and builder.is_compatible(verbose=False)
-
-
-pytestmark = pytest.mark.skipif(not _async_io_available(), reason="DeepSpeed's async_io op needs libaio")
+pytestmark = pytest.mark.skipif(not async_io_buildable(), reason="DeepSpeed's async_io op needs libaio")
 TORCH_ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
 WAVE = 2 << 20  # staging_bytes: the most loaded partition bytes a rank holds before swapping them out
 

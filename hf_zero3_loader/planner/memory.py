@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..deepspeed_setup import nvme_param_offload
 from ..staging import DEFAULT_STAGING_BYTES
 from .plan import LoadPlan
 
@@ -40,8 +41,8 @@ def _offload(ds_config: dict, key: str) -> bool:
 
 def _nvme_swap_buffer_bytes(ds_config: dict, itemsize: int) -> int:
     """DeepSpeed's pinned parameter swap buffers under `offload_param: nvme` (its defaults: 5 of 1e8 elements)."""
-    section = ((ds_config or {}).get("zero_optimization") or {}).get("offload_param") or {}
-    if str(section.get("device", "none")).lower() != "nvme":
+    section = nvme_param_offload(ds_config)
+    if section is None:
         return 0
     return int(section.get("buffer_count", 5)) * int(float(section.get("buffer_size", 1e8))) * itemsize
 
