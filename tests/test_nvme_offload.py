@@ -125,6 +125,12 @@ def test_training_from_nvme_partitions_equals_transformers_own_zero3_path(workdi
     for dump in (ours, upstream):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
     assert ours["rank0"]["report"]["init_context"] == "zero3-meta"
+    # at 2 ranks, which divide every tensor here, the load (gathered before training) is the plain load too
+    want = _plain(path, "bfloat16", "AutoModelForCausalLM", 0)
+    assert set(ours["rank0"]["state"]) == set(want)
+    for name, expected in want.items():
+        actual = ours["rank0"]["state"][name]
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), name
     assert ours["rank0"]["losses"] == upstream["rank0"]["losses"]
     for got in ours["ranks"]:
         error = got["save_error"]
