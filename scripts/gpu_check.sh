@@ -5,7 +5,9 @@
 #   on the device:     device run, command "bash scripts/gpu_check.sh run tests", carry [".whl"]
 #                      then "bash scripts/gpu_check.sh run bench" (a call may run 10 minutes; `run` does both)
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
-# EP, then cold), keeping every log in $OUT (out/gpu when run by hand). Update the README's GPU section from them.
+# EP, then cold; `run nvme`: NVMe offload), keeping every log in $OUT (out/gpu when run by hand). Update the README's
+# GPU section from them. The image has no libaio either (DeepSpeed's async_io op, NVMe offload): `wheels` copies this
+# machine's (`apt install libaio-dev`) into .whl/libaio, and `run` points the op's build at it.
 # Checked without a GPU: the same wheels (their cp311 builds) over a venv holding the image's packages
 # (transformers 5.17, no pydantic) pass a 2-rank fidelity test and run bench_load.py.
 set -euo pipefail
@@ -23,6 +25,12 @@ case "${1:-}" in
       -d .whl "${WHEELS[@]}"
     # DeepSpeed publishes only a source archive: build its pure-Python wheel (its ops compile on first use)
     DS_BUILD_OPS=0 python -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8
+    if [[ -f /usr/include/libaio.h ]]; then
+      mkdir -p .whl/libaio/include .whl/libaio/lib
+      cp /usr/include/libaio.h .whl/libaio/include/
+      lib=$(ls /usr/lib/x86_64-linux-gnu/libaio.so.1* | head -n 1)
+      cp -L "$lib" .whl/libaio/lib/libaio.so && cp -L "$lib" .whl/libaio/lib/libaio.so.1  # real files, not links
+    fi
     ls -l .whl
     ;;
   run)
@@ -30,8 +38,16 @@ case "${1:-}" in
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    if [[ -d .whl/libaio ]]; then  # DeepSpeed's libaio probe reads CFLAGS/LDFLAGS; the op's build, gcc's paths
+      aio="$PWD/.whl/libaio"
+      cuda=$(python3 -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or '')")
+      export CFLAGS="-I$aio/include" LDFLAGS="-L$aio/lib" CPATH="$aio/include" \
+        LIBRARY_PATH="$aio/lib:$cuda/lib64/stubs" LD_LIBRARY_PATH="$aio/lib:${LD_LIBRARY_PATH:-}"
+    fi
     { nvidia-smi; python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__,
-      deepspeed.__version__, torch.cuda.get_device_name())"; } > "$out/versions.txt" 2>&1
+      deepspeed.__version__, torch.cuda.get_device_name())"
+      python3 -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('AsyncIOBuilder')
+print('async_io buildable:', b.is_compatible(verbose=True)); b.load(); print('async_io built')"; } > "$out/versions.txt" 2>&1 || true
     what="${2:-all}" status=0
     if [[ "$what" == all || "$what" == tests ]]; then
       python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" || status=1
@@ -43,7 +59,12 @@ case "${1:-}" in
         --json "$out/bench_cold.json" > "$out/bench_cold.log" 2>&1 || status=1
       tail -n 25 "$out/bench_warm.log" "$out/bench_cold.log"
     fi
+    if [[ "$what" == nvme ]]; then
+      python3 scripts/bench_load.py --world-sizes 1 --repeats 2 --nvme --workdir /tmp/bench \
+        --json "$out/bench_nvme.json" > "$out/bench_nvme.log" 2>&1 || status=1
+      tail -n 25 "$out/bench_nvme.log"
+    fi
     exit $status
     ;;
-  *) echo "usage: bash scripts/gpu_check.sh wheels | run [all|tests|bench]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh wheels | run [all|tests|bench|nvme]" >&2; exit 2 ;;
 esac
