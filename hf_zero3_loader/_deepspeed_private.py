@@ -16,7 +16,10 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
   attached to every converted param as `nvme_swapper`); a partition goes out as `Init._partition_param` sends it:
   `get_buffer` (one of its `buffer_count` pinned buffers), the values copied in, `ds_tensor.final_location = nvme`,
   `swap_out_and_release` (written, buffer released, `ds_tensor` NOT_AVAILABLE until a gather swaps it in);
-  `swap_in(params, async_op=False)` / `remove_partition_and_release_buffers` read one back for a moment.
+  `swap_in(params, async_op=False)` / `remove_partition_and_release_buffers` read one back for a moment. Each
+  swapper empties its folder, `<nvme_path>/zero_stage_3/<dtype>params/rank<r>`, when it is built
+  (`_configure_aio`): a second model in the process (a TRL reference model) would delete the first one's swap files,
+  so a load whose `nvme_path` a live swapper uses gets a folder of its own below it (`separate_nvme_path`).
 
 Missing-key init (`missing_init.py`): `GatheredParameters(modifier_rank=r)` broadcasts `p.data.view(torch.uint8)` on
 exit, which raises for a 0-dim parameter (CLIP's `logit_scale`); `gathered_to_modify` gives those a 1-element shape
@@ -39,11 +42,17 @@ Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_e
 
 from __future__ import annotations
 
+import copy
 import functools
+import logging
+import os
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DEEPSPEED_VERSION_WRITTEN_AGAINST = "0.19.8"
 
@@ -62,6 +71,32 @@ def _hpz_group():
     return groups._ZERO_PARAM_INTRA_PARALLEL_GROUP
 
 
+# the NVMe swappers of the models this process loaded, while their params live (each holds its swapper)
+_LIVE_NVME_SWAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def separate_nvme_path(ds_config: dict) -> dict:
+    """`ds_config`, or with NVMe parameter offload whose `nvme_path` a live model's swapper already uses, a copy
+    whose `nvme_path` is a free folder below it (`hf_zero3_loader_model<n>`): the new swapper empties its folder when
+    built, which would delete the live model's swap files (its next gather fails; transformers' path does that)."""
+    from .deepspeed_setup import nvme_param_offload
+
+    offload = nvme_param_offload(ds_config)
+    if offload is None or not offload.get("nvme_path"):
+        return ds_config
+    in_use = {os.path.normpath(str(s.swap_config.nvme_path)) for s in list(_LIVE_NVME_SWAPPERS)}
+    path = os.path.normpath(str(offload["nvme_path"]))
+    if path not in in_use:
+        return ds_config
+    own = next(p for p in (os.path.join(path, f"hf_zero3_loader_model{n}") for n in range(1, len(in_use) + 2))
+               if p not in in_use)
+    logger.warning("offload_param.nvme_path %s holds the swap files of another model in this process; DeepSpeed's "
+                   "swapper for this one would delete them, so this model swaps to %s", path, own)
+    ds_config = copy.deepcopy(ds_config)
+    ds_config["zero_optimization"]["offload_param"]["nvme_path"] = own
+    return ds_config
+
+
 class ZeroParamFactory:
     """Turns meta parameters into ZeRO-3 parameters whose partition we provide."""
 
@@ -69,11 +104,14 @@ class ZeroParamFactory:
         import deepspeed
 
         # Constructed, never entered: no module patching, no construction hooks.
-        self._init = deepspeed.zero.Init(config_dict_or_path=ds_config, zero_param_parallel_group=_hpz_group())
+        self._init = deepspeed.zero.Init(config_dict_or_path=separate_nvme_path(ds_config),
+                                         zero_param_parallel_group=_hpz_group())
         self.local_device = torch.device(self._init.local_device)
         remote = str(getattr(self._init.remote_device, "value", self._init.remote_device))
         # NVMe offload: partitions are filled in host memory, then swapped out (`swap_out_to_nvme`)
         self.nvme_swapper = self._init.param_swapper if remote == "nvme" else None
+        if self.nvme_swapper is not None:
+            _LIVE_NVME_SWAPPERS.add(self.nvme_swapper)
         remote = "cpu" if remote == "nvme" else remote
         self.remote_device = torch.device(remote) if remote not in ("None", "none") else self.local_device
         # `offload_param.pin_memory`, as zero.Init resolved it (False unless the partitions are offloaded)

@@ -3,6 +3,7 @@
 Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
 Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional),
 "checkpoint_roundtrip"(optional), "all_ranks_state"(optional), "save"(optional: {"dir", "kwargs", "reference"}),
+"load_again"(optional: a second model loaded the same way, kept while the first is gathered and trained),
 "callers_zero_init"(optional: {"dtype"}: the load inside the script's own `with deepspeed.zero.Init(...)`)}.
 Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
 the collectives each rank saw during the load (with "all_ranks_state", every rank's gathered state: under expert
@@ -330,6 +331,13 @@ def run_case(case: dict) -> dict:
         result["zero3_visible"] = is_deepspeed_zero3_enabled()
         torch.manual_seed(case.get("seed", 0))
         model.resize_token_embeddings(case["resize_to"])
+    if case.get("load_again"):  # a second model in the process (a TRL reference model), held while the first is used
+        with warnings:
+            again = load()
+        keep_alive.append(again)
+        result["again"] = {"report": again.hf_zero3_load_report.summary(), "state": gather_state(again),
+                           "nvme_path": getattr(next(again.parameters(), None), "nvme_swapper", None)
+                           and str(next(again.parameters()).nvme_swapper.swap_config.nvme_path)}
     partitions = [p.ds_tensor for p in model.parameters() if getattr(p, "ds_tensor", None) is not None]
     result["partitions"] = {"devices": sorted({str(t.device) for t in partitions}),
                             "pinned": sum(t.is_pinned() for t in partitions), "count": len(partitions),

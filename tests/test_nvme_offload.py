@@ -121,6 +121,9 @@ def test_training_from_nvme_partitions_equals_transformers_own_zero3_path(workdi
     # the model's own save_pretrained cannot write partitions that live in swap files without a gather: refused on
     # every rank with what to use instead (transformers' own writes them as empty tensors)
     cases[0]["save"] = {"dir": os.path.join(workdir, "nvme_saved"), "direct": True}
+    # a second model loaded while the first lives (TRL's reference model): DeepSpeed's new swapper would empty the
+    # first's swap folder (on transformers' path its next gather fails), so it swaps to a folder of its own
+    cases[0]["load_again"] = True
     ours, upstream = run_torchrun(2, cases, workdir)
     for dump in (ours, upstream):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
@@ -131,7 +134,18 @@ def test_training_from_nvme_partitions_equals_transformers_own_zero3_path(workdi
     for name, expected in want.items():
         actual = ours["rank0"]["state"][name]
         assert actual.dtype == expected.dtype and torch.equal(actual, expected), name
-    assert ours["rank0"]["losses"] == upstream["rank0"]["losses"]
+    assert ours["rank0"]["losses"] == upstream["rank0"]["losses"]  # the first model, trained after the second load
+    nvme_path = cases[0]["ds_config"]["zero_optimization"]["offload_param"]["nvme_path"]
+    for rank, got in enumerate(ours["ranks"]):
+        again = got["again"]
+        assert again["nvme_path"] == os.path.join(nvme_path, "hf_zero3_loader_model1"), again["nvme_path"]
+        assert again["report"]["nvme"]["partitions_swapped_out"] == got["report"]["nvme"]["partitions_swapped_out"]
+        assert any("holds the swap files of another model" in w for w in got["warnings"]), got["warnings"]
+        for folder in (nvme_path, again["nvme_path"]):
+            assert os.listdir(os.path.join(folder, "zero_stage_3", "bfloat16params", f"rank{rank}"))
+    for name, expected in want.items():
+        actual = ours["rank0"]["again"]["state"][name]
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), name
     for got in ours["ranks"]:
         error = got["save_error"]
         assert error["type"] == "ConfigError" and "swapped out to NVMe" in error["message"], error
