@@ -7,7 +7,8 @@ after each wave its partitions go to their swap files and their host memory is f
 (`Zero3Partitioner.swap_out`). Partitions of missing keys stay in memory until their init has run (finalize), and
 so do those DeepSpeed's swapper does not take (under 1 MiB, persistent, or not in the engine's dtype), as
 `zero.Init` leaves them. The host then holds at most one wave of loaded partitions on top of DeepSpeed's own swap
-buffers.
+buffers. A rank receiving its bytes from another rank (streaming) swaps partitions out the same way, in waves of
+those its stream has completed (`SwapOutAsCompleted`).
 """
 
 from __future__ import annotations
@@ -46,3 +47,30 @@ def read_in_waves(jobs: list[tuple], read, partitioner, budget_bytes: int) -> di
         largest = max(largest, sum(dst.numel() * dst.element_size() for dst in destinations))
         partitioner.swap_out(destinations)
     return {"waves": len(planned), "largest_wave_bytes": largest, "wave_budget_bytes": budget_bytes}
+
+
+class SwapOutAsCompleted:
+    """Streaming under NVMe offload: called with each partition the stream has filled completely; swaps them out in
+    waves of at least `budget_bytes` (the last one at `flush`)."""
+
+    def __init__(self, partitioner, budget_bytes: int):
+        self.partitioner, self.budget_bytes = partitioner, budget_bytes
+        self.pending, self.pending_bytes, self.waves, self.largest = [], 0, 0, 0
+
+    def __call__(self, partition) -> None:
+        if id(partition) not in self.partitioner.nvme_params:  # not the swapper's: stays in memory
+            return
+        self.pending.append(partition)
+        self.pending_bytes += partition.numel() * partition.element_size()
+        if self.pending_bytes >= self.budget_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.partitioner.swap_out(self.pending)
+            self.waves += 1
+            self.largest = max(self.largest, self.pending_bytes)
+            self.pending, self.pending_bytes = [], 0
+
+    def summary(self) -> dict:
+        return {"waves": self.waves, "largest_wave_bytes": self.largest, "wave_budget_bytes": self.budget_bytes}

@@ -28,6 +28,7 @@ buffers (not tested here: one GPU was available).
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import struct
@@ -525,11 +526,13 @@ class Streamer:
         return end, payload
 
     def receive(self, plan: LoadPlan, source: int, destinations: dict[str, torch.Tensor], checkpoint: Checkpoint,
-                progress=None) -> None:
+                progress=None, on_complete=None) -> None:
         """Receive this rank's plan from `source`, chunk by chunk, into the partitions (`name -> flat tensor`);
-        `checkpoint` computes the dequantized pieces of chunks that come as stored bytes."""
+        `checkpoint` computes the dequantized pieces of chunks that come as stored bytes. `on_complete(name)` runs
+        once a partition has all its pieces (NVMe offload swaps it out then)."""
         stream = stream_chunks(plan, self.chunk_bytes)
         buf = self._buffer(_largest_chunk(chunks for _, chunks in stream))
+        pieces_left = collections.Counter(piece.tensor for _, chunks in stream for chunk in chunks for piece in chunk)
         status = torch.empty(3, dtype=torch.int64, device=self.device)
         for _, chunks in stream:
             for chunk in chunks:
@@ -544,6 +547,11 @@ class Streamer:
                 self.bytes_received += received
                 if progress is not None:
                     progress(received)
+                if on_complete is not None:
+                    for piece in chunk:
+                        pieces_left[piece.tensor] -= 1
+                        if not pieces_left[piece.tensor]:
+                            on_complete(piece.tensor)
 
     @staticmethod
     def _unpack_stored(chunk: list[Piece], data: torch.Tensor, checkpoint: Checkpoint, destinations) -> int:

@@ -29,7 +29,7 @@ from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weigh
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, LoaderError
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
-from .nvme_offload import read_in_waves
+from .nvme_offload import SwapOutAsCompleted, read_in_waves
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
                            resolve_checkpoint, suspicious_missing_keys)
 from .reader import FileReader, node_reads_whole_files, run_reads
@@ -229,10 +229,17 @@ class Zero3Load:
                 if error is not None:
                     raise error
             if rank in layout.source_of:
+                by_name = {t.name: dst for t, dst in destinations}
+                # NVMe offload: each wave of completed partitions goes to the swap files as the stream fills them
+                swap_out = (SwapOutAsCompleted(self.partitioner, self.staging_bytes)
+                            if self.partitioner is not None and self.partitioner.nvme_params else None)
                 with tqdm(total=stream_bytes(plan), unit="B", unit_scale=True, desc="Receiving ZeRO-3 partitions",
                           disable=rank != 0) as bar:
-                    streamer.receive(plan, layout.source_of[rank], {t.name: dst for t, dst in destinations}, checkpoint,
-                                     progress=bar.update)
+                    streamer.receive(plan, layout.source_of[rank], by_name, checkpoint, progress=bar.update,
+                                     on_complete=swap_out and (lambda name: swap_out(by_name[name])))
+                if swap_out is not None:
+                    swap_out.flush()
+                    self.nvme_waves = swap_out.summary()
         self.report.stream = {**layout.summary(rank), "bytes_sent": streamer.bytes_sent,
                               "bytes_received": streamer.bytes_received,
                               "largest_stream_buffer_bytes": streamer.largest_buffer,

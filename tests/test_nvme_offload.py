@@ -15,7 +15,7 @@ import torch
 
 from hf_zero3_loader.deepspeed_setup import async_io_buildable
 from tests.checkpoints import make_checkpoint, rewrite_checkpoint
-from tests.conftest import run_torchrun
+from tests.conftest import run_nodes, run_torchrun
 from tests.dist_worker import ds_config_for
 
 
@@ -105,6 +105,31 @@ def test_partitions_swapped_out_to_nvme_equal_the_plain_load_at_3_ranks(workdir)
             assert actual.dtype == expected.dtype and torch.equal(actual, expected), f"{case['name']} {name}"
         if case["name"] == "tied but different":
             assert got["sharing"] == [] and not torch.equal(want["lm_head.weight"], want["model.embed_tokens.weight"])
+
+
+def test_a_rank_streamed_its_bytes_swaps_them_out_in_waves_as_they_arrive(workdir):
+    """Two nodes, only the first with the files: the second receives its partitions from the first and swaps each
+    wave of completed ones out as the stream fills them (it held its whole share until the end before)."""
+    path = make_checkpoint(os.path.join(workdir, "nvme_stream_qwen3_moe"), "qwen3_moe", config=_moe_config())
+    case = {"name": "streamed", "path_by_node": {"0": path, "1": "/nonexistent/checkpoint"}, "dtype": "bfloat16",
+            "kwargs": {"staging_bytes": WAVE, "stream_chunk_bytes": 1 << 20},
+            "ds_config": nvme_config("bfloat16", os.path.join(workdir, "nvme_swap", "streamed")),
+            "out": os.path.join(workdir, "nvme_streamed.pt")}
+    (dump,) = run_nodes(2, 1, [case], workdir)
+    for got in dump["ranks"]:
+        assert "error" not in got, got.get("error", {}).get("traceback")
+        nvme = got["report"]["nvme"]
+        assert nvme["partitions_swapped_out"] == got["partitions"]["on_nvme"] > 0, nvme
+    receiver = dump["ranks"][1]
+    assert receiver["report"]["stream"]["receives_from"] == 0 and receiver["report"]["bytes_read"] == 0
+    nvme, largest = receiver["report"]["nvme"], receiver["report"]["largest_partition_numel"] * 2  # bf16
+    # a wave goes out once it reaches the budget: at most the budget plus one partition
+    assert nvme["waves"] >= 3 and nvme["largest_wave_bytes"] < WAVE + largest, nvme
+    want = _plain(path, "bfloat16", "AutoModelForCausalLM", 0)
+    assert set(dump["rank0"]["state"]) == set(want)
+    for name, expected in want.items():
+        actual = dump["rank0"]["state"][name]
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), name
 
 
 def test_training_from_nvme_partitions_equals_transformers_own_zero3_path(workdir):
