@@ -21,6 +21,10 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
   (`_configure_aio`): a second model in the process (a TRL reference model) would delete the first one's swap files,
   so a load whose `nvme_path` a live swapper uses gets a folder of its own below it (`separate_nvme_path`).
 
+Ops built on first use (async_io, for NVMe offload): the CUDA builder's `compute_capability_args` parses each
+TORCH_CUDA_ARCH_LIST entry as numbers and raises on "9.0a" (`arch_list_the_op_builder_cannot_parse`);
+`git_version_info.installed_ops` / `OpBuilder._loaded_ops` say when nothing is built.
+
 Missing-key init (`missing_init.py`): `GatheredParameters(modifier_rank=r)` broadcasts `p.data.view(torch.uint8)` on
 exit, which raises for a 0-dim parameter (CLIP's `logit_scale`); `gathered_to_modify` gives those a 1-element shape
 just before that exit (the partition keeps `ds_shape`, so later gathers are 0-dim again).
@@ -251,6 +255,31 @@ def zero3_partition(param: torch.Tensor) -> Zero3Partition:
                           "hf_zero3_loader), or with the engine's save_checkpoint")
     return Zero3Partition(partition.data.view(-1), param.ds_zero_partition_world_size, param.ds_zero_partition_rank,
                           param.ds_process_group)
+
+
+# -- DeepSpeed's ops, built on first use ----------------------------------------------------------------------------
+
+def arch_list_the_op_builder_cannot_parse(op_name: str) -> list[str]:
+    """The entries of TORCH_CUDA_ARCH_LIST that DeepSpeed 0.19.8's CUDA op builder would fail on when it JIT-builds
+    `op_name` (`compute_capability_args` parses each as numbers: "9.0a" raises `int('0a')`); [] when nothing would be
+    built here (no CUDA, the op installed prebuilt or already loaded) or every entry parses."""
+    import os
+
+    if not torch.cuda.is_available():
+        return []
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    if installed_ops.get(op_name, False) or op_name in OpBuilder._loaded_ops:
+        return []
+    bad = []
+    for cc in os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";").split(";"):
+        try:
+            tuple(int(part.split("+")[0]) for part in cc.strip().split("."))
+        except ValueError:
+            if cc.strip():
+                bad.append(cc.strip())
+    return bad
 
 
 # -- expert parallelism --------------------------------------------------------------------------------------------

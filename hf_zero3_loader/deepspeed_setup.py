@@ -124,6 +124,14 @@ def check_supported(setup: DeepSpeedSetup) -> None:
         if not async_io_buildable():
             raise ConfigError("NVMe parameter offload (offload_param.device='nvme') needs DeepSpeed's async_io op, "
                               "which cannot be built here: install libaio (e.g. `apt install libaio-dev`)")
+        from ._deepspeed_private import arch_list_the_op_builder_cannot_parse
+
+        bad = arch_list_the_op_builder_cannot_parse("async_io")
+        if bad:  # DeepSpeed's own message is "invalid literal for int() with base 10: '0a'", on transformers' path too
+            raise ConfigError(f"NVMe parameter offload needs DeepSpeed's async_io op, built on first use, and "
+                              f"DeepSpeed's op builder cannot parse {', '.join(map(repr, bad))} in "
+                              f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']!r}: set plain compute "
+                              f"capabilities for the build, e.g. TORCH_CUDA_ARCH_LIST=\"9.0\"")
 
 
 def resolve_dtype(setup: DeepSpeedSetup, requested, strict: bool = False) -> torch.dtype | str:

@@ -308,3 +308,21 @@ def test_world_larger_than_a_tensor(workdir):
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     for name, p in plain.named_parameters():
         assert torch.equal(got["state"][name], p.detach()), name
+
+
+def test_an_arch_list_deepspeeds_op_builder_cannot_parse_is_named_before_nvme_offload_builds(monkeypatch):
+    """On a GPU, NVMe offload JIT-builds DeepSpeed's async_io op, whose builder fails on a TORCH_CUDA_ARCH_LIST entry
+    such as "9.0a" with "invalid literal for int() with base 10: '0a'" (seen on an H100 image, on transformers' path
+    too): refused up front, naming the entry and what to set. (Checked here with CUDA reported available.)"""
+    from hf_zero3_loader import deepspeed_setup
+    from hf_zero3_loader.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(deepspeed_setup, "async_io_buildable", lambda: True)
+    setup = deepspeed_setup.DeepSpeedSetup(ds_config_for("bfloat16", {"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/swap"}}}), "test")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a+PTX")
+    with pytest.raises(ConfigError, match=r"cannot parse '9.0a\+PTX' in TORCH_CUDA_ARCH_LIST='8.0;9.0a\+PTX'"):
+        deepspeed_setup.check_supported(setup)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    deepspeed_setup.check_supported(setup)
