@@ -6,6 +6,7 @@ accelerate's `AcceleratorState` -> the environment `accelerate launch` sets.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -59,18 +60,30 @@ def _load_json(path: str) -> dict:
 
 
 def _from_accelerate_env() -> dict | None:
+    """The config an `accelerate launch --use_deepspeed` process will train with, before its `Accelerator` exists:
+    built by accelerate's own `DeepSpeedPlugin` from the environment the launcher set (the config file, or the
+    plugin's fields: stage, `offload_param` device and NVMe path, ...) with the launch's mixed precision, and the
+    "auto" batch sizes resolved as accelerate resolves them for `zero.Init` (`set_deepspeed_weakref`)."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if path and path.lower() != "none":
-        return _load_json(path)
-    stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-    if stage is None:
+        _load_json(path)  # a file that cannot be read: our ConfigError, naming it
+    elif os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") is None:
         return None
-    config: dict = {"zero_optimization": {"stage": int(stage)}}
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if precision in ("bf16", "fp16"):
-        config[precision] = {"enabled": True}
+    from accelerate.utils import DeepSpeedPlugin
+
+    try:
+        plugin = DeepSpeedPlugin()
+        plugin.set_mixed_precision(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
+    except ValueError as e:  # what the script's Accelerator() would raise
+        raise ConfigError(f"the DeepSpeed config of this accelerate launch: {e}") from e
+    config = copy.deepcopy(plugin.deepspeed_config)
+    for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
+        if config.get(key, "auto") == "auto":
+            config[key] = 1
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]
     return config
 
 

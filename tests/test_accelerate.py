@@ -63,6 +63,37 @@ def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdi
     assert torch.allclose(torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[1]["losses"]), rtol=1e-5)
 
 
+def test_the_launch_environment_gives_the_config_accelerate_trains_with(workdir, monkeypatch):
+    """A model loaded before the script's Accelerator exists: the config is what accelerate's own DeepSpeedPlugin
+    makes of the launch's environment, as the Accelerator will. With a config file, its "auto" precision is filled
+    from --mixed_precision (it was left "auto": the load did not know the engine's dtype) and its "auto" batch sizes
+    resolved as accelerate resolves them for zero.Init; without one, accelerate's own flags (`--zero_stage 3
+    --offload_param_device cpu`), offload included (only the stage and precision were read before)."""
+    from hf_zero3_loader.deepspeed_setup import DeepSpeedSetup, _from_accelerate_env
+
+    config_file = os.path.join(workdir, "ds_zero3_auto.json")
+    with open(config_file, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+                   "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 3},
+                   "bf16": {"enabled": "auto"}}, f)
+    for name in [n for n in os.environ if n.startswith("ACCELERATE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config_file)
+    config = _from_accelerate_env()
+    assert DeepSpeedSetup(config, "test").dtype == torch.bfloat16
+    assert config["train_micro_batch_size_per_gpu"] == config["gradient_accumulation_steps"] == 1
+    assert "train_batch_size" not in config
+    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
+    config = _from_accelerate_env()
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert DeepSpeedSetup(config, "test").dtype == torch.bfloat16
+
+
 def test_without_zero3_the_hook_leaves_from_pretrained_alone(workdir):
     from transformers import AutoModelForCausalLM
 
