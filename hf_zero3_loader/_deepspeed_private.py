@@ -263,8 +263,6 @@ def arch_list_the_op_builder_cannot_parse(op_name: str) -> list[str]:
     """The entries of TORCH_CUDA_ARCH_LIST that DeepSpeed 0.19.8's CUDA op builder would fail on when it JIT-builds
     `op_name` (`compute_capability_args` parses each as numbers: "9.0a" raises `int('0a')`); [] when nothing would be
     built here (no CUDA, the op installed prebuilt or already loaded) or every entry parses."""
-    import os
-
     if not torch.cuda.is_available():
         return []
     from deepspeed.git_version_info import installed_ops

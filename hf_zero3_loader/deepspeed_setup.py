@@ -62,7 +62,7 @@ def _load_json(path: str) -> dict:
 def _from_accelerate_env() -> dict | None:
     """The config an `accelerate launch --use_deepspeed` process will train with, before its `Accelerator` exists:
     built by accelerate's own `DeepSpeedPlugin` from the environment the launcher set (the config file, or the
-    plugin's fields: stage, `offload_param` device and NVMe path, ...) with the launch's mixed precision, and the
+    plugin's fields: stage, offload devices, ...) with the launch's mixed precision, and the
     "auto" batch sizes resolved as accelerate resolves them for `zero.Init` (`set_deepspeed_weakref`)."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
