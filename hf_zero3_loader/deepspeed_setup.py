@@ -67,14 +67,13 @@ def _from_accelerate_env() -> dict | None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if path and path.lower() != "none":
-        _load_json(path)  # a file that cannot be read: our ConfigError, naming it
-    elif os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") is None:
+    from_file = _load_json(path) if path and path.lower() != "none" else None  # unreadable: our error, naming it
+    if from_file is None and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") is None:
         return None
     from accelerate.utils import DeepSpeedPlugin
 
     try:
-        plugin = DeepSpeedPlugin()
+        plugin = DeepSpeedPlugin(hf_ds_config=from_file)  # None: the plugin's fields from the environment
         plugin.set_mixed_precision(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     except ValueError as e:  # what the script's Accelerator() would raise
         raise ConfigError(f"the DeepSpeed config of this accelerate launch: {e}") from e

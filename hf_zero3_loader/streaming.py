@@ -532,7 +532,8 @@ class Streamer:
         once a partition has all its pieces (NVMe offload swaps it out then)."""
         stream = stream_chunks(plan, self.chunk_bytes)
         buf = self._buffer(_largest_chunk(chunks for _, chunks in stream))
-        pieces_left = collections.Counter(piece.tensor for _, chunks in stream for chunk in chunks for piece in chunk)
+        pieces_left = (collections.Counter(piece.tensor for _, chunks in stream for chunk in chunks for piece in chunk)
+                       if on_complete is not None else None)
         status = torch.empty(3, dtype=torch.int64, device=self.device)
         for _, chunks in stream:
             for chunk in chunks:
