@@ -308,10 +308,11 @@ class Piece:
     c0: int
     c1: int
     offset: int
+    dtype: torch.dtype  # what it travels as: the checkpoint's dtype, or the partition's where that is narrower
 
     @property
     def nbytes(self) -> int:
-        return (self.r1 - self.r0) * (self.c1 - self.c0) * self.item.src_dtype.itemsize
+        return (self.r1 - self.r0) * (self.c1 - self.c0) * self.dtype.itemsize
 
     def source(self) -> ReadItem:
         """The sub-box to read, row-major, untransposed."""
@@ -320,8 +321,10 @@ class Piece:
                         self.c1 - self.c0, i.row_stride, 0, stored_bytes_per_element=i.stored_bytes_per_element)
 
     def place(self, data: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the piece's bytes (`data`, source dtype) into the partition `out` (cast as transformers casts)."""
+        """Copy the piece's bytes (`data`, its travel dtype) into the partition `out` (cast as transformers casts)."""
         i = self.item
+        if self.dtype != i.src_dtype and out.dtype != self.dtype:  # cast by the reader: never cast twice
+            raise LoaderError(f"internal error: {self.tensor} was streamed as {self.dtype}, its partition is {out.dtype}")
         part = data.view(self.r1 - self.r0, self.c1 - self.c0)
         dst = out[i.dst_offset:i.dst_offset + i.numel]
         if i.transposed:
@@ -341,31 +344,42 @@ class Piece:
             part.copy_(src.view(i.rows, i.cols)[self.r0:self.r1, self.c0:self.c1])
 
 
-def stream_chunks(plan: LoadPlan, chunk_bytes: int) -> list[tuple[str, list[list[Piece]]]]:
+def stream_chunks(plan: LoadPlan, chunk_bytes: int, narrow: bool = True) -> list[tuple[str, list[list[Piece]]]]:
     """[(file name, chunks of pieces)], files in name order; a chunk never spans two files nor exceeds chunk_bytes.
-    Both the reader and the receiver compute this from the receiver's plan."""
-    by_file: dict[str, list[tuple[str, ReadItem]]] = {}
+    Both the reader and the receiver compute this from the receiver's plan. `narrow`: pieces travel in their
+    partition's dtype where it is narrower than the checkpoint's (a load; a save sends the files' dtype)."""
+    by_file: dict[str, list[tuple[str, ReadItem, torch.dtype]]] = {}
     for t in plan.tensors.values():
         if t.status == "load":
             for item in t.reads:
-                by_file.setdefault(os.path.basename(item.file), []).append((t.name, item))
+                dtype = travel_dtype(item, t.dtype) if narrow else item.src_dtype
+                by_file.setdefault(os.path.basename(item.file), []).append((t.name, item, dtype))
     out = []
     for name in sorted(by_file):
         chunks, current, used = [], [], 0
-        for tensor, item in by_file[name]:
-            size = item.src_dtype.itemsize
-            for r0, r1, c0, c1 in _split(item, chunk_bytes):
-                nbytes = (r1 - r0) * (c1 - c0) * size
+        for tensor, item, dtype in by_file[name]:
+            for r0, r1, c0, c1 in _split(item, chunk_bytes):  # as read: no read of a piece exceeds chunk_bytes
+                nbytes = (r1 - r0) * (c1 - c0) * dtype.itemsize
                 start = -(-used // 8) * 8  # 8-byte aligned, so each piece can be viewed as its dtype
                 if current and start + nbytes > chunk_bytes:
                     chunks.append(current)
                     current, start = [], 0
-                current.append(Piece(tensor, item, r0, r1, c0, c1, start))
+                current.append(Piece(tensor, item, r0, r1, c0, c1, start, dtype))
                 used = start + nbytes
         if current:
             chunks.append(current)
         out.append((name, chunks))
     return out
+
+
+def travel_dtype(item: ReadItem, partition_dtype: torch.dtype) -> torch.dtype:
+    """The partition's float dtype where it is narrower than the checkpoint's (an fp32 checkpoint loaded in bf16
+    travels as bf16, half the bytes): the reader casts as the receiver would have (`copy_`, elementwise, so the bits
+    are the same). Dequantized pieces travel as their stored bytes or as computed elements, uncast."""
+    if (_computed(item) or not item.src_dtype.is_floating_point or not partition_dtype.is_floating_point
+            or partition_dtype.itemsize >= item.src_dtype.itemsize):
+        return item.src_dtype
+    return partition_dtype
 
 
 def _split(item: ReadItem, chunk_bytes: int):
@@ -383,9 +397,9 @@ def _split(item: ReadItem, chunk_bytes: int):
 
 
 def stream_bytes(plan: LoadPlan) -> int:
-    """The bytes a stream of `plan` carries: its elements as read; for FP8/MXFP4 entries the stored bytes behind
-    them (an estimate: a run also carries the whole scales it touches)."""
-    return sum(i.stored_bytes if _computed(i) else i.numel * i.src_dtype.itemsize
+    """The bytes a stream of `plan` carries: its elements as they travel (`travel_dtype`); for FP8/MXFP4 entries the
+    stored bytes behind them (an estimate: a run also carries the whole scales it touches)."""
+    return sum(i.stored_bytes if _computed(i) else i.numel * travel_dtype(i, t.dtype).itemsize
                for t in plan.tensors.values() if t.status == "load" for i in t.reads)
 
 
@@ -492,8 +506,8 @@ class Streamer:
             packed = self._pack_stored(chunk, buf, checkpoint, file_reader)
             if packed is not None:
                 return packed[0], STORED, packed[1]
-        for piece in chunk:
-            view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+        for piece in chunk:  # read as the partition reads (cast on the way where the piece travels narrower)
+            view = buf[piece.offset:piece.offset + piece.nbytes].view(piece.dtype)
             execute_read(file_reader, piece.source(), checkpoint.entry(piece.item.key), view,
                          staging_bytes=self.chunk_bytes)
         return _chunk_size(chunk), ELEMENTS, sum(p.nbytes for p in chunk)
@@ -520,7 +534,7 @@ class Streamer:
                 at, end = end, end + piece.nbytes
                 if end > limit:
                     return None
-                execute_read(file_reader, item, entry, buf[at:end].view(item.src_dtype),
+                execute_read(file_reader, item, entry, buf[at:end].view(piece.dtype),
                              staging_bytes=self.chunk_bytes)
                 payload += piece.nbytes
         return end, payload
@@ -542,7 +556,7 @@ class Streamer:
                     received = self._unpack_stored(chunk, buf[:size].cpu(), checkpoint, destinations)
                 else:
                     for piece in chunk:
-                        data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.item.src_dtype)
+                        data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.dtype)
                         piece.place(data, destinations[piece.tensor])
                     received = sum(p.nbytes for p in chunk)
                 self.bytes_received += received
@@ -568,7 +582,7 @@ class Streamer:
                 piece.place(box.reshape(-1), destinations[piece.tensor])
                 end, payload = replay.end, payload + replay.payload
             else:
-                piece.place(data[end:end + piece.nbytes].view(item.src_dtype), destinations[piece.tensor])
+                piece.place(data[end:end + piece.nbytes].view(piece.dtype), destinations[piece.tensor])
                 end, payload = end + piece.nbytes, payload + piece.nbytes
         if end != data.numel():
             raise LoaderError(f"internal error: a chunk of {data.numel()} bytes held {end} bytes of its pieces")
@@ -596,7 +610,7 @@ class Streamer:
         packing the next chunk while the previous one is on the wire."""
         import torch.distributed as dist
 
-        stream = stream_chunks(plan, self.chunk_bytes)
+        stream = stream_chunks(plan, self.chunk_bytes, narrow=False)
         buffers = [self._buffer(_largest_chunk(chunks for _, chunks in stream)) for _ in range(2)]
         in_flight: list[list] = [[], []]
         turn, between_chunks = 0, True
@@ -631,7 +645,7 @@ class Streamer:
         """Receive each sending rank's plan's bytes and write them where its plan puts them in the files."""
         from .writer import execute_write
 
-        streams = {source: stream_chunks(plans[source], self.chunk_bytes) for source in plans}
+        streams = {source: stream_chunks(plans[source], self.chunk_bytes, narrow=False) for source in plans}
         buf = self._buffer(_largest_chunk(chunks for stream in streams.values() for _, chunks in stream))
         status = torch.empty(3, dtype=torch.int64, device=self.device)
         for source in sorted(plans):

@@ -175,6 +175,8 @@ class Zero3Load:
                     peer = self.stream.layout.peers[rank]
                     expert_group = PartitionGroup(experts.name, experts.size, peer.edp_rank) if experts else None
                     served[rank] = plan_for(rank, PartitionGroup(WORLD, world.size, rank), expert_group, peer.ep_rank)
+                    if isinstance(load_config.dtype, torch.dtype):  # its partitions' dtypes: what pieces travel as
+                        self._params_in_engine_dtype(served[rank], load_config.dtype, warn=False)
                 source = self.stream.layout.source_of.get(world.rank)
                 for t in plan.tensors.values():
                     if t.status == "load" and source is not None:
@@ -358,7 +360,7 @@ class Zero3Load:
         finally:
             reader.close()
 
-    def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype) -> None:
+    def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype, warn: bool = True) -> None:
         """DeepSpeed ZeRO-3 (0.19.8) flattens all trainable params into one buffer of one dtype (stage3
         `defragment` asserts otherwise), as `zero.Init` casts them. Params a plain load keeps in another float
         dtype (`_keep_in_fp32_modules`, fp32 biases built by the model) are loaded in the engine's dtype."""
@@ -368,7 +370,7 @@ class Zero3Load:
                    if t.kind == "param" and t.dtype.is_floating_point and t.dtype != engine_dtype]
         for name, _ in changed:
             plan.tensors[name].dtype = engine_dtype
-        if changed and self.report.rank == 0:
+        if changed and warn and self.report.rank == 0:
             log.warning(
                 "%d parameters that a plain load keeps in another dtype (e.g. %s: %s, from `_keep_in_fp32_modules` "
                 "or the model) are loaded in %s: DeepSpeed ZeRO-3 holds all trainable parameters in the engine's "
