@@ -253,7 +253,9 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
     # the arguments that choose the path every rank takes (and so the collectives it joins) must agree
     same = {**setup.fields_ranks_share(), "state_dict= given": from_state_dict, "init_context": init_context,
             "quantization_config": quant_method(kwargs.get("quantization_config")),  # may pick transformers' path
-            "load_from": load_from, "expert parallel size": ep_request.ep_size if ep_request is not None else None}
+            "load_from": load_from, "expert parallel size": ep_request.ep_size if ep_request is not None else None,
+            # the partitions' dtypes (DeepSpeed gathers them as one), and the chunks a reader and receiver cut alike
+            "keep_in_fp32": bool(keep_in_fp32), "stream_chunk_bytes": chunk_bytes}
     agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
                     error_type=ConfigError)
     expert_parallel = None

@@ -248,6 +248,12 @@ CASES = {
     "ds_config_offload_differs_on_rank_1": ("good", {"by_rank": {"1": OFFLOADED}}, {}, None, "ConfigError",
                                             ["DeepSpeed offload_param device differs", "none on rank 0",
                                              "cpu on rank 1"]),
+    # arguments that must agree: each rank's partition dtypes (gathered as one), the chunks a stream cuts on both ends
+    "keep_in_fp32_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"keep_in_fp32": True}}}, None, "ConfigError",
+                                       ["were not called with the same arguments", "keep_in_fp32 differs",
+                                        "False on rank 0", "True on rank 1"]),
+    "stream_chunk_bytes_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"stream_chunk_bytes": 4096}}}, None,
+                                             "ConfigError", ["stream_chunk_bytes differs", "4096 on rank 1"]),
 }
 
 
@@ -259,6 +265,8 @@ def outcomes(bad, workdir):
                 "inject": inject, "out": os.path.join(workdir, f"err_{name}.pt")}
         if ds_config and "by_rank" in ds_config:
             case.update(ds_config=None, ds_config_by_rank=ds_config["by_rank"])
+        if "by_rank" in kwargs:
+            case.update(kwargs={}, kwargs_by_rank=kwargs["by_rank"])
         cases.append(case)
     cases.append({"name": "pickle_weights_only", "path": bad["pickle_weights_only"], "dtype": "float32",
                   "out": os.path.join(workdir, "err_pickle_ok.pt")})
