@@ -552,13 +552,7 @@ class Streamer:
         for _, chunks in stream:
             for chunk in chunks:
                 size, form = self._receive_chunk(buf, status, source, chunk, "streams this rank's checkpoint bytes")
-                if form == STORED:
-                    received = self._unpack_stored(chunk, buf[:size].cpu(), checkpoint, destinations)
-                else:
-                    for piece in chunk:
-                        data = buf[piece.offset:piece.offset + piece.nbytes].view(piece.dtype)
-                        piece.place(data, destinations[piece.tensor])
-                    received = sum(p.nbytes for p in chunk)
+                received = self._place(chunk, buf[:size], form, checkpoint, destinations)
                 self.bytes_received += received
                 if progress is not None:
                     progress(received)
@@ -567,6 +561,15 @@ class Streamer:
                         pieces_left[piece.tensor] -= 1
                         if not pieces_left[piece.tensor]:
                             on_complete(piece.tensor)
+
+    @classmethod
+    def _place(cls, chunk: list[Piece], data: torch.Tensor, form: int, checkpoint: Checkpoint, destinations) -> int:
+        """One chunk as received (`data`, its bytes) into the partitions; returns the checkpoint bytes it held."""
+        if form == STORED:
+            return cls._unpack_stored(chunk, data.cpu(), checkpoint, destinations)
+        for piece in chunk:
+            piece.place(data[piece.offset:piece.offset + piece.nbytes].view(piece.dtype), destinations[piece.tensor])
+        return sum(p.nbytes for p in chunk)
 
     @staticmethod
     def _unpack_stored(chunk: list[Piece], data: torch.Tensor, checkpoint: Checkpoint, destinations) -> int:

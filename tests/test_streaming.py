@@ -258,3 +258,42 @@ def test_stream_chunks_cover_every_item_once_within_the_budget():
                 if budget == 1 << 20:  # every file's pieces fit one chunk: the buffer is one file's share, padded
                     shares = [sum(p.nbytes for c in chunks for p in c) for _, chunks in stream]
                     assert max(shares) <= largest < max(shares) + 8 * plan_items(plan) < budget
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "fp32 with fp8 experts"])
+def test_chunks_a_reader_packs_place_what_a_reading_rank_reads(workdir, quantized):
+    """In process, no wire: every chunk of each rank's stream packed as a reader packs it (pieces cast to the bf16
+    partitions on the way, FP8 weights as their stored bytes) and placed as a receiver places it fills the partitions
+    bit for bit as the rank's own reads would (`execute_read`), at 3 ranks and chunk budgets that cut every tensor."""
+    from hf_zero3_loader.planner.inspect import plan_ranks
+    from hf_zero3_loader.reader import FileReader, execute_read
+    from hf_zero3_loader.streaming import STORED, Streamer, stream_chunks
+    from tests.checkpoints import fp8_checkpoint
+    from tests.test_quantized import _deepseek_v3_fp8_config
+
+    path = make_checkpoint(os.path.join(workdir, "mixtral"), "mixtral")
+    if quantized:  # fp32 norms, embeddings and router next to FP8 expert weights: both forms in one chunk
+        fp32 = make_checkpoint(os.path.join(workdir, "deepseek_v3_fp32"), "d", config=_deepseek_v3_fp8_config())
+        path = fp8_checkpoint(fp32, os.path.join(workdir, "deepseek_v3_fp32_fp8"))
+    plans, _, checkpoint, _, _ = plan_ranks(path, 3, dtype=torch.bfloat16, with_model=True)
+    reader = FileReader()
+    forms = set()
+    for plan in plans:
+        loaded = [t for t in plan.tensors.values() if t.status == "load"]
+        read = {t.name: torch.zeros(t.partition_numel, dtype=t.dtype) for t in loaded}
+        for t in loaded:
+            for item in t.reads:
+                execute_read(reader, item, checkpoint.entry(item.key), read[t.name])
+        for budget in (256, 4096):
+            streamer = Streamer(budget, torch.device("cpu"))
+            streamed = {t.name: torch.zeros(t.partition_numel, dtype=t.dtype) for t in loaded}
+            buf = torch.empty(budget, dtype=torch.uint8)
+            for _, chunks in stream_chunks(plan, budget):
+                for chunk in chunks:
+                    size, form, _ = streamer._pack(chunk, buf, checkpoint, reader)
+                    forms.add(form)
+                    streamer._place(chunk, buf[:size].clone(), form, checkpoint, streamed)
+            for name, want in read.items():
+                assert torch.equal(streamed[name].view(torch.uint8), want.view(torch.uint8)), (budget, name)
+        assert sum(t.dtype == torch.bfloat16 for t in loaded) > len(loaded) // 2  # most are narrowed on the way
+    assert (STORED in forms) == quantized
