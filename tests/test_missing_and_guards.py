@@ -76,6 +76,9 @@ def paths(workdir):
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
         "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
         "omni_no_talker_experts": omni_without_talker_experts(workdir),
+        # `fusion_config={"patch_embeddings": True}` (transformers 5.23): Conv3d patch embeddings become Linear layers
+        "qwen3_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen3_vl"),
+        "qwen2_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen2_vl"),
     }
 
 
@@ -127,6 +130,11 @@ CASES = {
     "init_leaves_missing_unwritten": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32", {}, 0),
     "init_leaves_missing_unwritten_chunked": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32",
                                               {"missing_init_budget_bytes": BUDGET}, 0),
+    # last: transformers registers a fusion for the rest of the process (its module patches, its weight converters)
+    "fusion_config": ("qwen3_vl", "AutoModelForImageTextToText", "float32", {"fusion_config": {"patch_embeddings": True}},
+                      0),
+    "fusion_config_not_mapped": ("qwen2_vl", "AutoModelForImageTextToText", "float32",
+                                 {"fusion_config": {"patch_embeddings": True}}, 0),
 }
 PLAIN_ONLY = {"missing_init_budget_bytes", "allow_suspicious_missing_keys", "keep_in_fp32"}
 
@@ -169,7 +177,8 @@ def assert_equal_to_plain(name, dump, path):
 
 @pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
                                   "key_mapping", "subfolder", "trust_remote_code", "init_zeroes_loaded_padding_row",
-                                  "qwen3_vl_moe_transposed", "broken_conversion_opt_out", "scalar_param_missing"])
+                                  "qwen3_vl_moe_transposed", "broken_conversion_opt_out", "scalar_param_missing",
+                                  "fusion_config"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
 
@@ -251,6 +260,17 @@ def test_a_checkpoint_prefix_the_loader_does_not_map_is_an_error_on_every_rank(r
     unexpected = "model.model.language_model.model.embed_tokens.weight"
     assert f"{missing} <- unexpected: {unexpected}" in error["message"]
     assert "allow_suspicious_missing_keys" in error["message"]
+
+
+def test_a_fusion_transformers_does_not_map_for_the_checkpoint_is_an_error_on_every_rank(results):
+    """`fusion_config={"patch_embeddings": True}` on Qwen2-VL as transformers 5.23 saves it (`visual.*`): the fused
+    Linear's converter does not meet the checkpoint's Conv3d weight, and a plain load initialises the patch embedding
+    at random (MISSING/UNEXPECTED in its loading info). Ours names the pair and refuses. (Qwen3-VL's fusion loads:
+    `test_equal_to_plain_load[fusion_config]`.)"""
+    error = _same_error_on_every_rank(results["fusion_config_not_mapped"])
+    assert "ConversionMismatchError" in error["mro"]
+    assert "model.visual.patch_embed.linear_proj.weight <- unexpected: model.visual.patch_embed.proj.weight" in (
+        error["message"])
 
 
 def test_an_init_that_rewrites_loaded_weights_in_place_is_refused_on_every_rank(results):
