@@ -41,15 +41,37 @@ def _ep_size_from_distributed_config(distributed_config, world_size: int) -> int
     get = distributed_config.get if isinstance(distributed_config, dict) else (
         lambda key, default=None: getattr(distributed_config, key, default))
     tp_size, tp_plan = get("tp_size") or 1, get("tp_plan")
-    if tp_size > 1 and tp_plan:
-        raise ConfigError("tensor parallelism (distributed_config tp_size/tp_plan) cannot be combined with DeepSpeed "
-                          "ZeRO-3 by hf_zero3_loader; use expert parallelism alone (ep_size)")
     ep_size = get("ep_size")
     if ep_size and ep_size > 1:
         return ep_size
     if get("enable_expert_parallel") or (tp_plan == {} and (ep_size or 1) == 1 and tp_size == 1):
         return world_size
     return None
+
+
+def refuse_other_parallelism(distributed_config, tp_plan, tp_size, world_size: int) -> None:
+    """transformers' tensor and pipeline parallelism build their own device mesh and shard the model themselves.
+    Under ZeRO-3 transformers refuses them (through its `device_map` check); a load that went on would leave their
+    sharding plan on ZeRO-3 partitions, or ignore what was asked. Read as transformers reads them: a plan without a
+    size means the world. (In a `DistributedConfig`, tp_size and fsdp_size without a plan size expert parallelism's
+    mesh: not refused.)"""
+    if distributed_config is not None and (tp_plan is not None or tp_size is not None):
+        raise ConfigError("pass either `distributed_config` or the standalone `tp_plan`/`tp_size` arguments, not both "
+                          "(as transformers requires)")
+    asked = []
+    if distributed_config is None:  # the standalone (deprecated) arguments
+        tp_size = world_size if tp_size is None and tp_plan else (tp_size or 1)
+        asked += [f"tp_size={tp_size}"] if tp_size > 1 else []
+    else:
+        get = distributed_config.get if isinstance(distributed_config, dict) else (
+            lambda key, default=None: getattr(distributed_config, key, default))
+        tp_size = get("tp_size") or (world_size if get("tp_plan") else 1)
+        asked += [f"tp_size={tp_size}"] if tp_size > 1 and get("tp_plan") else []
+        asked += [f"pp_size={get('pp_size')}"] if (get("pp_size") or 1) > 1 else []
+    if asked:
+        raise ConfigError(f"transformers' own parallelism ({', '.join(asked)}) cannot be combined with DeepSpeed "
+                          "ZeRO-3, which partitions the model itself (transformers refuses it too); load with ZeRO-3 "
+                          "alone, and give MoE models expert parallelism with ep_size=")
 
 
 def _asked(ds_config: dict, ep_size: int | None, distributed_config, world_size: int) -> list[tuple[str, object]]:

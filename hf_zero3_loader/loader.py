@@ -25,7 +25,7 @@ from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, find_index
 from .deepspeed_setup import check_supported, find_deepspeed_setup, nvme_param_offload, resolve_dtype
 from .errors import ConfigError
-from .expert_parallel import create_groups, is_requested, request_from
+from .expert_parallel import create_groups, is_requested, refuse_other_parallelism, request_from
 from .gc_pause import paused_gc
 from .missing_init import DEFAULT_BUDGET_BYTES
 from .reader import default_io_threads
@@ -224,6 +224,8 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
                               "itself")
         kwargs["dtype"] = resolve_dtype(setup, kwargs.pop("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
         distributed_config = kwargs.pop("distributed_config", None)  # its expert parallelism is ours to build
+        refuse_other_parallelism(distributed_config, kwargs.pop("tp_plan", None), kwargs.pop("tp_size", None),
+                                 dist.get_world_size())
         if init_context not in ("auto", "meta", "zero.Init"):
             raise ConfigError(f"init_context must be 'auto', 'meta' or 'zero.Init', got {init_context!r}")
         from_state_dict = kwargs.get("state_dict") is not None  # every rank copies its partitions from its own

@@ -248,6 +248,11 @@ CASES = {
     "ds_config_offload_differs_on_rank_1": ("good", {"by_rank": {"1": OFFLOADED}}, {}, None, "ConfigError",
                                             ["DeepSpeed offload_param device differs", "none on rank 0",
                                              "cpu on rank 1"]),
+    # transformers' tensor parallelism (it builds its own mesh): refused under ZeRO-3, as transformers refuses it
+    "tp_plan_with_zero3": ("good", None, {"tp_plan": "auto"}, None, "ConfigError",
+                           ["parallelism (tp_size=2) cannot be combined with DeepSpeed ZeRO-3", "ep_size="]),
+    "distributed_config_tp_with_zero3": ("good", None, {"distributed_config": {"tp_plan": "auto", "tp_size": 2}}, None,
+                                         "ConfigError", ["parallelism (tp_size=2) cannot be combined"]),
     # arguments that must agree: each rank's partition dtypes (gathered as one), the chunks a stream cuts on both ends
     "keep_in_fp32_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"keep_in_fp32": True}}}, None, "ConfigError",
                                        ["were not called with the same arguments", "keep_in_fp32 differs",
