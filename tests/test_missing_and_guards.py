@@ -66,6 +66,7 @@ def paths(workdir):
             d("qwen3_vl_moe"), _transpose_experts),
         "qwen_renamed": rewrite_checkpoint(qwen, d("qwen_renamed"), _renamed_prefix),
         "in_subfolder": d("hub_layout"),
+        "qwen_bf16": make_checkpoint(d("qwen3_moe_bf16"), "qwen3_moe", dtype=torch.bfloat16),
         "remote_code": remote_code_checkpoint(llama, d("remote_code")),
         "qwen_broken": rewrite_checkpoint(qwen, d("qwen_broken"), _mixtral_names),
         "mamba_rescale": make_checkpoint(d("mamba_rescale"), "mamba", config=_mamba_rescaling_loaded_weights()),
@@ -130,6 +131,9 @@ CASES = {
     "init_leaves_missing_unwritten": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32", {}, 0),
     "init_leaves_missing_unwritten_chunked": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32",
                                               {"missing_init_budget_bytes": BUDGET}, 0),
+    # `dtype="auto"` (the checkpoint's dtype, here the engine's) and its older spelling
+    "dtype_auto": ("qwen_bf16", "AutoModelForCausalLM", "bfloat16", {"dtype": "auto"}, 0),
+    "torch_dtype_auto": ("qwen_bf16", "AutoModelForCausalLM", "bfloat16", {"torch_dtype": "auto"}, 0),
     # last: transformers registers a fusion for the rest of the process (its module patches, its weight converters)
     "fusion_config": ("qwen3_vl", "AutoModelForImageTextToText", "float32", {"fusion_config": {"patch_embeddings": True}},
                       0),
@@ -155,8 +159,9 @@ def plain(name: str, path: str):
     _, cls, dtype, kwargs, seed = CASES[name]
     torch.manual_seed(seed)
     kwargs = {k: v for k, v in kwargs.items() if k not in PLAIN_ONLY}
-    model, info = getattr(transformers, cls).from_pretrained(path, dtype=getattr(torch, dtype),
-                                                             output_loading_info=True, **kwargs)
+    if not {"dtype", "torch_dtype"} & set(kwargs):
+        kwargs["dtype"] = getattr(torch, dtype)
+    model, info = getattr(transformers, cls).from_pretrained(path, output_loading_info=True, **kwargs)
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     state.update({n: b.detach() for n, b in model.named_buffers(remove_duplicate=False)})
     tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
@@ -178,7 +183,7 @@ def assert_equal_to_plain(name, dump, path):
 @pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
                                   "key_mapping", "subfolder", "trust_remote_code", "init_zeroes_loaded_padding_row",
                                   "qwen3_vl_moe_transposed", "broken_conversion_opt_out", "scalar_param_missing",
-                                  "fusion_config"])
+                                  "fusion_config", "dtype_auto", "torch_dtype_auto"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
 
