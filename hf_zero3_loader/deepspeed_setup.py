@@ -83,7 +83,25 @@ def _from_accelerate_env() -> dict | None:
             config[key] = 1
     if config.get("train_batch_size") == "auto":
         del config["train_batch_size"]
+    _warn_of_unforwarded_nvme_path(config)
     return config
+
+
+def _warn_of_unforwarded_nvme_path(config: dict) -> None:
+    """accelerate 1.15's launcher does not pass `--offload_param_nvme_path` / `--offload_optimizer_nvme_path` on to
+    its processes, so its plugin (and the engine) use the string "none" as the folder: swap files land in `./none`,
+    on whatever disk holds the working directory. Say so; a DeepSpeed config file's `nvme_path` is forwarded."""
+    from . import log
+
+    zero = config.get("zero_optimization") or {}
+    for section in ("offload_param", "offload_optimizer"):
+        offload = zero.get(section) or {}
+        if str(offload.get("device", "")).lower() == "nvme" and str(offload.get("nvme_path", "")).lower() == "none":
+            log.warning_once(f"nvme_path none {section}",
+                             "%s.nvme_path is 'none' in this accelerate launch (accelerate's launcher does not forward "
+                             "--%s_nvme_path): DeepSpeed will swap to ./none under the working directory. Give "
+                             "the folder in a DeepSpeed config file (--deepspeed_config_file) instead.",
+                             section, section)
 
 
 def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup | None:

@@ -68,8 +68,10 @@ def test_the_launch_environment_gives_the_config_accelerate_trains_with(workdir,
     makes of the launch's environment, as the Accelerator will. With a config file, its "auto" precision is filled
     from --mixed_precision (it was left "auto": the load did not know the engine's dtype) and its "auto" batch sizes
     resolved as accelerate resolves them for zero.Init; without one, accelerate's own flags (`--zero_stage 3
-    --offload_param_device cpu`), offload included (only the stage and precision were read before)."""
+    --offload_param_device cpu`), offload included (only the stage and precision were read before); an NVMe folder
+    the launcher did not forward ("none") is warned of."""
     from hf_zero3_loader.deepspeed_setup import DeepSpeedSetup, _from_accelerate_env
+    from tests.dist_worker import CapturedWarnings
 
     config_file = os.path.join(workdir, "ds_zero3_auto.json")
     with open(config_file, "w") as f:
@@ -92,6 +94,12 @@ def test_the_launch_environment_gives_the_config_accelerate_trains_with(workdir,
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert DeepSpeedSetup(config, "test").dtype == torch.bfloat16
+    # accelerate's launcher does not forward --offload_param_nvme_path: its plugin's folder is "none", said aloud
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "nvme")
+    with CapturedWarnings() as warned:
+        config = _from_accelerate_env()
+    assert config["zero_optimization"]["offload_param"]["nvme_path"] == "none"
+    assert any("offload_param.nvme_path is 'none'" in w and "./none" in w for w in warned.messages), warned.messages
 
 
 def test_without_zero3_the_hook_leaves_from_pretrained_alone(workdir):
