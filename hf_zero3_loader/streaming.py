@@ -461,8 +461,6 @@ class Streamer:
         `progress(nbytes)` is called as each chunk is handed to the wire."""
         import torch.distributed as dist
 
-        from .reader import execute_read
-
         streams = {rank: dict(stream_chunks(plan, self.chunk_bytes)) for rank, plan in plans.items()}
         remaining = {rank: sum(len(c) for c in s.values()) for rank, s in streams.items()}
         files = sorted({name for s in streams.values() for name in s})
