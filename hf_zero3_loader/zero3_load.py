@@ -155,7 +155,10 @@ class Zero3Load:
                 group_of, sources = (lambda name: world_group), None
                 if layout is not None:
                     group_of, sources = layout.group_of(world_group, expert_group), layout.sources_for(ep_rank)
-                return plan_tensors(model, resolution, checkpoint, group_of, rank, world.size, sources)
+                plan = plan_tensors(model, resolution, checkpoint, group_of, rank, world.size, sources)
+                if isinstance(load_config.dtype, torch.dtype):  # its partitions' dtypes (what streamed pieces travel as)
+                    self._params_in_engine_dtype(plan, load_config.dtype, warn=rank == world.rank)
+                return plan
 
             plan = plan_for(world.rank, world, experts, layout.groups.ep_rank if layout else 0)
             check_plan_is_exact(plan)
@@ -163,8 +166,6 @@ class Zero3Load:
                 layout.check_loaded(plan)
                 self.report.expert_parallel = layout.summary(plan)
                 self.report.expert_parallel_layout = layout
-            if isinstance(load_config.dtype, torch.dtype):
-                self._params_in_engine_dtype(plan, load_config.dtype)
             self._refuse_broken_conversion(model, plan)
             self.report.plan = plan
             served = {}
@@ -175,8 +176,6 @@ class Zero3Load:
                     peer = self.stream.layout.peers[rank]
                     expert_group = PartitionGroup(experts.name, experts.size, peer.edp_rank) if experts else None
                     served[rank] = plan_for(rank, PartitionGroup(WORLD, world.size, rank), expert_group, peer.ep_rank)
-                    if isinstance(load_config.dtype, torch.dtype):  # its partitions' dtypes: what pieces travel as
-                        self._params_in_engine_dtype(served[rank], load_config.dtype, warn=False)
                 source = self.stream.layout.source_of.get(world.rank)
                 for t in plan.tensors.values():
                     if t.status == "load" and source is not None:
