@@ -49,6 +49,14 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
         warnings.append(f"{len(first.missing_keys)} model tensors are not in the checkpoint (initialised at load)")
     if first.unexpected_keys:
         warnings.append(f"{len(first.unexpected_keys)} checkpoint tensors are not used by the model")
+    if first.mismatched_keys:  # as the load says: refused, unless ignore_mismatched_sizes=True initialises them
+        from .planner.plan import missing_inputs
+
+        short = [t for t, _, shape in sorted(first.mismatched_keys, key=lambda m: m[0])
+                 if missing_inputs(resolution, t, tuple(shape))]
+        warnings.append(f"{len(first.mismatched_keys)} model tensors have another shape in the checkpoint"
+                        + (f" ({len(short)} lack numbered checkpoint tensors, e.g. {short[0]})" if short else "")
+                        + ": the load refuses them (with ignore_mismatched_sizes=True they are initialised at load)")
     smallest_ep = None
     if device_memory is not None and not prediction.fits(device_memory):
         if model_type in supported_model_types():

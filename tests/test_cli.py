@@ -175,3 +175,24 @@ def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir, 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["ok"] and not report["problems"] and report["compared"] >= 13, report
+
+
+def test_plan_says_what_the_load_refuses_in_a_checkpoint_short_of_experts(workdir):
+    """A checkpoint lacking one expert's tensors: `plan` warns that the load refuses the fused tensor (naming it) as
+    the load does; lacking one expert's gate projection only, `plan` fails with the load's own refusal."""
+    from tests.checkpoints import rewrite_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero3_loader.cli import plan_report
+    from hf_zero3_loader.errors import CheckpointError
+
+    single = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    no_expert = rewrite_checkpoint(single, os.path.join(workdir, "cli_missing_expert"), lambda t: {
+        k: v for k, v in t.items() if ".layers.1.mlp.experts.3." not in k})
+    report = plan_report(no_expert, 2, None, None, None, "cuda", AutoModelForCausalLM)
+    assert any("have another shape in the checkpoint" in w and "model.layers.1.mlp.experts.down_proj" in w
+               and "the load refuses them" in w for w in report["warnings"]), report["warnings"]
+    no_gate = rewrite_checkpoint(single, os.path.join(workdir, "cli_missing_gate_proj"), lambda t: {
+        k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.gate_proj.weight"})
+    with pytest.raises(CheckpointError, match=r"gate_up_proj: lacks model\.layers\.1\.mlp\.experts\.3\.gate_proj"):
+        plan_report(no_gate, 2, None, None, None, "cuda", AutoModelForCausalLM)

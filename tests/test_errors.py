@@ -156,6 +156,9 @@ def bad(workdir):
         "shard_is_a_directory": _copy(sharded, d("shard_dir"), shard_becomes_directory),
         "missing_one_expert": rewrite_checkpoint(single, d("missing_expert"), lambda t: {
             k: v for k, v in t.items() if ".mlp.experts.3." not in k or ".layers.1." not in k}),
+        # one expert's gate projection only: the fused gate_up concatenates unequal stacks (a plain load fails too)
+        "missing_one_gate_proj": rewrite_checkpoint(single, d("missing_gate_proj"), lambda t: {
+            k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.gate_proj.weight"}),
         "replaced": _copy(single, d("replaced")),
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
@@ -235,6 +238,9 @@ CASES = {
                              ["model-00002-of-", "is a directory"]),
     "missing_one_expert": ("missing_one_expert", None, {}, None, "CheckpointError",
                            ["model.layers.1.mlp.experts.gate_up_proj lacks", "model.layers.1.mlp.experts.3.gate_proj.weight"]),
+    "missing_one_gate_proj": ("missing_one_gate_proj", None, {}, None, "CheckpointError",
+                              ["1 parameters cannot be converted", "model.layers.1.mlp.experts.gate_up_proj: lacks "
+                               "model.layers.1.mlp.experts.3.gate_proj.weight;", "Concatenate(dim=1): shapes differ"]),
     # a shard atomically replaced after the headers were read: detected, never read at the old offsets
     "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
                                 "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
@@ -291,6 +297,16 @@ def test_same_clear_error_on_every_rank(outcomes, name):
     for part in parts:
         assert part in error["message"], f"{name}: {part!r} not in {error['message']!r}"
     assert max(e["seconds"] for e in errors) < BOUND_S
+
+
+def test_what_the_plain_load_cannot_convert_it_refuses_too(bad):
+    """The refusal of `missing_one_gate_proj` is upstream's behaviour: a plain load fails on that checkpoint as well
+    (its conversion errors raise whatever `ignore_mismatched_sizes` says), only without naming the tensor."""
+    from transformers import AutoModelForCausalLM
+
+    for ignore in (False, True):
+        with pytest.raises(RuntimeError, match="issues during automatic conversion"):
+            AutoModelForCausalLM.from_pretrained(bad["missing_one_gate_proj"], ignore_mismatched_sizes=ignore)
 
 
 def test_malicious_pickle_never_runs(outcomes, bad):

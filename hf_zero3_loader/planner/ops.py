@@ -24,10 +24,14 @@ def _first(value) -> Sym:
     return value[0] if isinstance(value, list) else value
 
 
+class ConversionInputError(ValueError):
+    """The checkpoint's tensors do not fit a conversion op (the real op refuses them too, or would mangle them)."""
+
+
 def _check(ok: bool, message: str) -> None:
     """Refuse inputs the real op would refuse (or silently mangle): never plan reads for them."""
     if not ok:
-        raise ValueError(message)
+        raise ConversionInputError(message)
 
 
 def _stack(syms: list[Sym], dim: int, what: str) -> Sym:
@@ -76,7 +80,7 @@ def _ernie_fuse_and_split(op, inputs, source_patterns, target_patterns, ctx):
     parts: dict[str, list[Sym]] = {}
     for pattern in source_patterns:
         if pattern not in inputs:
-            raise ValueError(f"Expected pattern {pattern} in collected tensors but only found tensors for: "
+            raise ConversionInputError(f"Expected pattern {pattern} in collected tensors but only found tensors for: "
                              f"{inputs.keys()}")
         syms = inputs[pattern] if isinstance(inputs[pattern], list) else [inputs[pattern]]
         size = math.ceil(len(syms) / len(target_patterns))
@@ -108,7 +112,7 @@ def _fp8_dequantize(op, inputs, source_patterns, target_patterns, ctx):
         rows, cols = weight.shape[-2:]
         scale_rows, scale_cols = scale.shape[-2:] if len(scale.shape) >= 2 else (1, 1)
         if rows % scale_rows or cols % scale_cols:  # transformers' own check, its own words
-            raise ValueError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({scale_rows}, {scale_cols}).")
+            raise ConversionInputError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({scale_rows}, {scale_cols}).")
         scale_entry = ctx["entry"](scale.key)
         dtype = out_dtype or (scale_entry.dtype if scale_entry.dtype.is_floating_point and scale_entry.itemsize >= 2
                               else torch.bfloat16)
@@ -132,7 +136,7 @@ def _fp8_dequantize(op, inputs, source_patterns, target_patterns, ctx):
         weights = value if isinstance(value, list) else [value]
         scales = inputs[scale_key] if isinstance(inputs[scale_key], list) else [inputs[scale_key]]
         if len(weights) != len(scales):
-            raise ValueError(f"Fp8Dequantize: weight/scale count mismatch for {key} ({len(weights)} weights vs "
+            raise ConversionInputError(f"Fp8Dequantize: weight/scale count mismatch for {key} ({len(weights)} weights vs "
                              f"{len(scales)} scales).")
         out[key] = [dequantized(w, s) for w, s in zip(weights, scales)]
     return out
@@ -163,7 +167,7 @@ def _slices(src: Sym, dim: int, sizes: list[int], targets: list[str]) -> dict[st
 
 def _chunk(op, inputs, source_patterns, target_patterns, ctx):
     if len(inputs) > 1:
-        raise ValueError("Undefined Operation encountered")
+        raise ConversionInputError("Undefined Operation encountered")
     src = _first(next(iter(inputs.values())))
     targets = op.get_target_patterns(target_patterns, config=ctx["config"])
     # torch.chunk's own sizes (it may return fewer chunks than asked)
@@ -173,7 +177,7 @@ def _chunk(op, inputs, source_patterns, target_patterns, ctx):
 
 def _split(op, inputs, source_patterns, target_patterns, ctx):
     if len(inputs) > 1:
-        raise ValueError("Undefined Operation encountered")
+        raise ConversionInputError("Undefined Operation encountered")
     src = _first(next(iter(inputs.values())))
     layer = ctx["full_layer_name"]
     # the model's true (logical) shapes: never a ZeRO-3 placeholder
@@ -255,7 +259,7 @@ def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
     if len(src.shape) == 5:
         return {key: Sym((src.shape[0], src.numel // max(src.shape[0], 1)), mapper=Same(src))}
     if len(src.shape) != 2:
-        raise ValueError(f"Conv3dToLinear expects a 5D or 2D tensor, got {len(src.shape)}D")
+        raise ConversionInputError(f"Conv3dToLinear expects a 5D or 2D tensor, got {len(src.shape)}D")
     return {key: src}
 
 

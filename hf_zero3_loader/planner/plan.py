@@ -19,8 +19,8 @@ import torch
 from transformers import core_model_loading as cml
 
 from ..checkpoint import Checkpoint
-from ..errors import LoaderError
-from .ops import apply_converter
+from ..errors import CheckpointError, LoaderError
+from .ops import ConversionInputError, apply_converter
 from .symbolic import Run, Sym, slice_along, to_leaf_runs
 
 
@@ -289,9 +289,15 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
     converted: dict[str, tuple[Sym, torch.dtype]] = {}
     mismatched: set[tuple[str, tuple, tuple]] = set()
     inputs: dict[str, dict[str, list[str]]] = {}
+    failed: list[tuple[str, dict[str, list[str]], str]] = []
     for first_name, mapping in to_load.items():
         keys = {pattern: [t.key for t in syms] for pattern, syms in mapping.collected_tensors.items()}
-        for target, sym in apply_converter(mapping, first_name, ctx).items():
+        try:
+            converted_syms = apply_converter(mapping, first_name, ctx)
+        except ConversionInputError as e:  # transformers' own load fails on these inputs too
+            failed.append((first_name, keys, str(e)))
+            continue
+        for target, sym in converted_syms.items():
             inputs[target] = keys
             sym = sym[0] if isinstance(sym, list) else sym
             if target not in meta_state:
@@ -300,17 +306,39 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
                 mismatched.add((target, torch.Size(sym.shape), meta_state[target].shape))
             else:
                 converted[target] = (sym, target_dtype.get(first_name, meta_state[target].dtype))
+    if failed:
+        _refuse_failed_conversions(failed, meta_state)
     for key, computation in ctx["computed"].items():
         checkpoint.computed[key] = computation.resolve(checkpoint.entries)
     used = [c for c in weight_mapping if c.was_used()]
     return Resolution(converted, unexpected, mismatched, used, inputs)
 
 
+def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str]], meta_state: dict) -> None:
+    """Targets whose checkpoint tensors a conversion op refuses (e.g. fused experts with some experts' tensors
+    absent: the concatenation of unequal stacks). A plain load fails on them too ("issues during automatic
+    conversion"), whatever `ignore_mismatched_sizes` says; name each target, the numbered tensors it lacks and the op's complaint."""
+    lines = []
+    for target, keys, message in failed[:8]:
+        shape = tuple(meta_state[target].shape) if target in meta_state else ()
+        missing = missing_inputs_of(keys, shape)
+        lacks = f" lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''};" if missing else ""
+        lines.append(f"  {target}:{lacks} {message}")
+    raise CheckpointError(
+        f"{len(failed)} parameters cannot be converted from this checkpoint's tensors (transformers' conversion "
+        "refuses them too: a shard or an index entry missing, or a checkpoint of another layout?):\n" + "\n".join(lines))
+
+
 def missing_inputs(resolution: Resolution, target: str, model_shape: tuple) -> list[str]:
     """Checkpoint keys a mismatched `target` lacks: the numbered tensors (`experts.*.w1`, ...) a merge expects
     `model_shape[0]` of, that the checkpoint does not hold."""
+    return missing_inputs_of(resolution.inputs.get(target, {}), model_shape)
+
+
+def missing_inputs_of(inputs: dict[str, list[str]], model_shape: tuple) -> list[str]:
+    """`missing_inputs` for a target's checkpoint keys by source pattern."""
     missing = []
-    for pattern, keys in resolution.inputs.get(target, {}).items():
+    for pattern, keys in inputs.items():
         parts = pattern.split(".")
         if "*" not in parts or not keys or not model_shape:
             continue
