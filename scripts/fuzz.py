@@ -1,0 +1,311 @@
+"""Randomised checks beyond the tests' fixed cases: random small configs, dropped keys, damaged headers, saves.
+
+    python scripts/fuzz.py configs --seed 1 --world-size 3 --cases 24   # random MoE/dense configs, dtypes, shards
+    python scripts/fuzz.py missing --seed 1 --world-size 3 --cases 20   # their checkpoints with random keys dropped
+    python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
+    python scripts/fuzz.py headers --seed 1 --cases 40                  # safetensors headers mutated at random
+    python scripts/fuzz.py save    --seed 1 --world-size 3 --cases 16   # saves of the `configs` checkpoints
+
+Each mode builds its checkpoints with transformers' config classes and `save_pretrained` under --workdir (reused
+across runs), runs them through real torchrun ranks (tests/dist_worker.py) and checks what the tests check:
+- configs / missing / ep: every gathered parameter and buffer equals plain single-process `from_pretrained`, bit and
+  dtype (missing keys with the same seed; ep through AutoEP's documented layout, tests/test_expert_parallel.py);
+  a load that fails must fail as the plain load does (the case is reported with both errors, never as a pass);
+- headers: ranks as separate processes (`run_ranks`, so a hang or a rank-local error shows): a failure must be the
+  same error on every rank, a LoaderError or the plain load's own error, a success equal to the plain load;
+- save: the folder is byte for byte what transformers' `save_pretrained` writes for the gathered model.
+Random sizes are odd (37, 13, 29, ...), expert counts 3-8, checkpoints fp32/fp16/bf16 and sharded at odd points
+(3-30 KB), so partition boundaries fall inside fused and concatenated tensors. Prints each failure; exit status 1
+if any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import struct
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "minimax", "qwen2_moe", "glm4_moe", "olmoe", "phimoe",
+            "granitemoe", "jetmoe", "llama4_text", "hunyuan_v1_moe", "ernie4_5_moe", "dots1", "deepseek_v2", "llama",
+            "qwen3", "gemma2", "qwen3_next", "longcat_flash", "flex_olmo", "bailing_hybrid", "afmoe")
+
+
+def _save_random(config, path: str, dtype, seed: int, shard: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.no_grad():  # random-init norms are ones: perturb everything so mix-ups show
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        model.save_pretrained(path, max_shard_size=shard)
+    return path
+
+
+def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int) -> list[tuple[str, str]]:
+    """(name, folder) of `n` random small configs of FAMILIES."""
+    import torch
+
+    from tests.families import small_config
+
+    out = []
+    for i in range(n):
+        family = rng.choice(FAMILIES)
+        config = small_config(family)
+        sizes = dict(intermediate_size=rng.choice([37, 50, 64]), moe_intermediate_size=rng.choice([13, 22, 29]),
+                     num_experts=rng.choice([3, 5, 6]), num_local_experts=rng.choice([3, 5, 6]),
+                     n_routed_experts=rng.choice([3, 5, 6]), vocab_size=rng.choice([89, 101, 128]),
+                     tie_word_embeddings=rng.random() < 0.3, attention_bias=rng.random() < 0.5,
+                     shared_expert_intermediate_size=rng.choice([11, 30]))
+        for key, value in sizes.items():
+            if getattr(config, key, None) is not None and not isinstance(getattr(config, key), (list, dict)):
+                setattr(config, key, value)
+        dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+        shard = rng.choice(["10GB", "30KB", "7KB"])
+        try:
+            path = _save_random(config, os.path.join(workdir, "configs", f"{family}_{seed}_{i}"), dtype, i, shard)
+        except Exception as e:  # a config these sizes do not fit: not a loader case
+            print(f"skipped {family}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        out.append((f"{family}#{i} {str(dtype)[6:]} shards {shard}", path))
+    return out
+
+
+def plain_failure(path: str) -> str | None:
+    """Why a plain load of `path` fails, or None."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:160]}"
+    return None
+
+
+def explain(failures: list[str], cases: list[dict]) -> list[str]:
+    """A load failure both paths share is upstream's behaviour: kept as a note, not a failure."""
+    by_name = {c["name"]: c for c in cases}
+    real = []
+    for f in failures:
+        name = f.split(": ", 1)[0]
+        case = by_name.get(name)
+        plain = plain_failure(case["path"]) if case and ("Error: " in f) else None
+        if plain:
+            print(f"  both fail (as upstream): {f[:200]} | plain: {plain}")
+        else:
+            real.append(f)
+    return real
+
+
+def run_configs(args, rng) -> list[str]:
+    from tests.test_families import compare_with_plain_loads
+
+    cases = [{"name": name, "path": path, "dtype": "float32",
+              "out": os.path.join(args.workdir, "out", f"configs_{args.seed}_{i}_w{args.world_size}.pt")}
+             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed))]
+    return explain(compare_with_plain_loads(cases, args.world_size, args.workdir), cases)
+
+
+def run_missing(args, rng) -> list[str]:
+    from tests.checkpoints import rewrite_checkpoint
+    from tests.test_families import compare_with_plain_loads
+
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed)
+    cases = []
+    for i in range(args.cases):
+        name, src = rng.choice(sources)
+        fraction, key_seed = rng.choice([0.05, 0.2, 0.5]), rng.randrange(1 << 30)
+
+        def drop(tensors, fraction=fraction, key_seed=key_seed):
+            keep = random.Random(key_seed)
+            return {k: v for k, v in tensors.items() if keep.random() > fraction}
+
+        dst = rewrite_checkpoint(src, os.path.join(args.workdir, "missing", f"{os.path.basename(src)}_{args.seed}_{i}"), drop)
+        budget = rng.choice([4096, 65536, None])
+        kwargs = {"allow_suspicious_missing_keys": True, **({"missing_init_budget_bytes": budget} if budget else {})}
+        cases.append({"name": f"{name} -{fraction:.0%} keys, budget {budget}", "path": dst, "dtype": "float32",
+                      "seed": 11, "kwargs": kwargs,
+                      "out": os.path.join(args.workdir, "out", f"missing_{args.seed}_{i}_w{args.world_size}.pt")})
+    return explain(compare_with_plain_loads(cases, args.world_size, args.workdir, seed=11), cases)
+
+
+def run_ep(args, rng) -> list[str]:
+    import torch
+
+    from tests.checkpoints import EP_FAMILIES, ep_config
+    from tests.conftest import run_torchrun
+    from tests.test_expert_parallel import ep_ds_config, expected, plain_load
+
+    cases = []
+    for i in range(args.cases):
+        family = rng.choice(EP_FAMILIES)
+        config = ep_config(family)
+        text = getattr(config, "text_config", None) or config
+        experts = rng.choice([4, 8])
+        for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+            if getattr(text, key, None) is not None:
+                setattr(text, key, experts)
+        for key, choices in (("moe_intermediate_size", [7, 13, 20]), ("intermediate_size", [19, 30]),
+                             ("shared_expert_intermediate_size", [9, 14]), ("vocab_size", [89, 130])):
+            if getattr(text, key, None) is not None:
+                setattr(text, key, rng.choice(choices))
+        ep = rng.choice([e for e in (1, 2, 4) if args.world_size % e == 0 and experts % e == 0])
+        dtype = rng.choice([torch.bfloat16, torch.float32])
+        path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
+                            rng.choice(["10GB", "9KB"]))
+        cases.append({"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
+                      "dtype": "bfloat16", "ds_config": ep_ds_config(ep, "bfloat16"), "all_ranks_state": True,
+                      "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")})
+    failures = []
+    for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
+        plain, covered = plain_load(case["path"], "bfloat16"), set()
+        for r in dump["ranks"]:
+            if "error" in r:
+                failures.append(f"{case['name']}: {r['error']['type']}: {r['error']['message'][:200]}")
+                break
+            ep_rank = r["rank"] % case["ep_size"]
+            for name, actual in r["state"].items():
+                if name.endswith(".tokens_per_expert"):  # AutoEP's own counter
+                    continue
+                source, want = expected(name, plain, ep_rank, case["ep_size"])
+                covered.add(source)
+                if actual.dtype != want.dtype or not torch.equal(actual, want):
+                    failures.append(f"{case['name']}: {name} differs on rank {r['rank']}")
+        else:
+            if covered != set(plain):
+                failures.append(f"{case['name']}: not loaded: {sorted(set(plain) - covered)[:3]}")
+    return failures
+
+
+def _mutate(header: dict, rng: random.Random) -> str:
+    keys = [k for k in header if k != "__metadata__"]
+    key = rng.choice(keys)
+    kind = rng.choice(["dtype", "shape", "offsets", "delete", "rename", "shape_swap", "metadata", "extra"])
+    entry = header[key]
+    if kind == "dtype":
+        entry["dtype"] = rng.choice(["F32", "F16", "BF16", "I32", "F64", "I64", "U8", "F8_E4M3", "BOOL", "I16"])
+    elif kind == "shape":
+        shape = list(entry["shape"]) or [1]
+        i = rng.randrange(len(shape))
+        shape[i] = max(0, shape[i] + rng.choice([-1, 1, -shape[i], shape[i]]))
+        entry["shape"] = shape
+    elif kind == "shape_swap":
+        entry["shape"] = list(reversed(entry["shape"]))
+    elif kind == "offsets":
+        a, b = entry["data_offsets"]
+        d = rng.choice([-4, 4, -2, 2, 1])
+        entry["data_offsets"] = [a + d, b + d] if rng.random() < 0.5 else [a, b + d]
+    elif kind == "delete":
+        del header[key]
+    elif kind == "rename":
+        header[key.replace("layers.1", "layers.7") if "layers.1" in key else key + "_x"] = header.pop(key)
+    elif kind == "metadata":
+        header["__metadata__"] = rng.choice([{"format": "tf"}, {"format": "mlx"}, {}, {"format": "pt", "x": "y"}])
+    else:
+        header["model.extra.weight"] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    return f"{kind} {key}"
+
+
+def run_headers(args, rng) -> list[str]:
+    import torch
+    import transformers
+
+    from tests.checkpoints import make_checkpoint
+    from tests.conftest import run_ranks, run_torchrun
+
+    src = make_checkpoint(os.path.join(args.workdir, "headers", "source"), "qwen3_moe")
+    cases = []
+    for i in range(args.cases):
+        dst = os.path.join(args.workdir, "headers", f"{args.seed}_{i}")
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(src, dst)
+        path = os.path.join(dst, "model.safetensors")
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header, data = json.loads(f.read(n)), f.read()
+        edits = "; ".join(_mutate(header, rng) for _ in range(rng.choice([1, 1, 2])))
+        raw = json.dumps(header).encode()
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw + data)
+        cases.append({"name": edits, "path": dst, "dtype": "float32", "seed": 3,
+                      "out": os.path.join(args.workdir, "out", f"headers_{args.seed}_{i}.pt")})
+    failures, loaded = [], []
+    for case, ranks in zip(cases, run_ranks(args.world_size, cases, args.workdir, timeout=600)):
+        errors = [r.get("error") if r else None for r in ranks]
+        if not any(errors) and all(ranks):
+            loaded.append({**case, "out": case["out"] + ".loaded"})
+            continue
+        if not all(errors) or len({(e["type"], e["message"]) for e in errors}) != 1:
+            failures.append(f"{case['name']}: ranks disagree or one gave no outcome: {errors}")
+        elif "LoaderError" not in errors[0]["mro"]:  # else transformers' own error, as the plain load raises it
+            plain = plain_failure(case["path"])
+            if not plain or not plain.startswith(errors[0]["type"] + ":"):
+                failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]} | plain: {plain}")
+    for case, dump in zip(loaded, run_torchrun(args.world_size, loaded, args.workdir, timeout=600) if loaded else []):
+        plain = plain_failure(case["path"])
+        if plain:
+            failures.append(f"{case['name']}: loaded, while the plain load fails: {plain}")
+            continue
+        torch.manual_seed(3)
+        model = transformers.AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
+        got = dump["rank0"]["state"]
+        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
+                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
+        if differ:
+            failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
+    return failures
+
+
+def run_save(args, rng) -> list[str]:
+    from tests.conftest import run_torchrun
+    from tests.test_families import save_failure
+
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed)
+    cases = []
+    for i in range(args.cases):
+        name, src = rng.choice(sources)
+        kwargs = rng.choice([{}, {"max_shard_size": "20KB"}, {"max_shard_size": "3KB"}, {"max_shard_size": "100KB"}])
+        folder = os.path.join(args.workdir, "saved", f"{args.seed}_{i}")
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder + ".reference", ignore_errors=True)
+        cases.append({"name": f"{name} {kwargs}", "path": src, "dtype": "float32",
+                      "out": os.path.join(args.workdir, "out", f"save_{args.seed}_{i}.pt"),
+                      "save": {"dir": folder, "kwargs": kwargs, "reference": True}})
+    dumps = run_torchrun(args.world_size, cases, args.workdir, timeout=1500)
+    return [f for case, dump in zip(cases, dumps) if (f := save_failure(case, dump))]
+
+
+MODES = {"configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "save": run_save}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=sorted(MODES))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--world-size", type=int, default=3)
+    ap.add_argument("--cases", type=int, default=16)
+    ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
+    args = ap.parse_args()
+    os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # the plain loads' reports; failures are printed below
+    failures = MODES[args.mode](args, random.Random(f"{args.mode}/{args.seed}"))
+    print(f"{args.mode} seed {args.seed} at {args.world_size} ranks: {len(failures)} failure(s)")
+    for f in failures:
+        print(f"  {f}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
