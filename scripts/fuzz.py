@@ -5,6 +5,7 @@
     python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
     python scripts/fuzz.py headers --seed 1 --cases 40                  # safetensors headers mutated at random
     python scripts/fuzz.py save    --seed 1 --world-size 3 --cases 16   # saves of the `configs` checkpoints
+    python scripts/fuzz.py stream  --seed 1 --world-size 2 --cases 8    # them streamed to "nodes" without files
 
 Each mode builds its checkpoints with transformers' config classes and `save_pretrained` under --workdir (reused
 across runs), runs them through real torchrun ranks (tests/dist_worker.py) and checks what the tests check:
@@ -15,6 +16,7 @@ across runs), runs them through real torchrun ranks (tests/dist_worker.py) and c
   same error on every rank, where the plain load fails too (a LoaderError, or the plain load's own error) or where
   it would randomly initialise what the checkpoint holds under another name (`ConversionMismatchError`, the guard
   against silent random init); a success equal to the plain load;
+- stream: one rank per "node" (`run_nodes`), only node 0 with the files; equal to the plain load in the load's dtype;
 - save: the folder is byte for byte what transformers' `save_pretrained` writes for the gathered model.
 Random sizes are odd (37, 13, 29, ...), expert counts 3-8, checkpoints fp32/fp16/bf16 and sharded at odd points
 (3-30 KB), so partition boundaries fall inside fused and concatenated tensors. Prints each failure; exit status 1
@@ -288,7 +290,43 @@ def run_save(args, rng) -> list[str]:
     return [f for case, dump in zip(cases, dumps) if (f := save_failure(case, dump))]
 
 
-MODES = {"configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "save": run_save}
+def run_stream(args, rng) -> list[str]:
+    """Ranks without the files: node 0 holds the checkpoint, the others receive their partitions from it (one rank
+    per node, --world-size nodes), in chunks of random sizes, loaded in fp32 or bf16 (narrowed in transit)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import run_nodes
+
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed)
+    cases = []
+    for i in range(args.cases):
+        name, src = rng.choice(sources)
+        dtype, chunk = rng.choice(["float32", "bfloat16"]), rng.choice([256, 4096, 1 << 20])
+        nodes = {str(n): (src if n == 0 else "/nonexistent/checkpoint") for n in range(args.world_size)}
+        cases.append({"name": f"{name} {dtype} chunks {chunk}", "path_by_node": nodes, "dtype": dtype,
+                      # keep_in_fp32: the plain load's dtypes for `_keep_in_fp32_modules` (ERNIE's router), so that
+                      # a bf16 load compares bit for bit (by default they load in the engine's dtype, with a warning)
+                      "kwargs": {"stream_chunk_bytes": chunk, "keep_in_fp32": True}, "source": src,
+                      "out": os.path.join(args.workdir, "out", f"stream_{args.seed}_{i}.pt")})
+    failures = []
+    for case, dump in zip(cases, run_nodes(args.world_size, 1, cases, args.workdir, timeout=900)):
+        errors = [r["error"] for r in dump["ranks"] if "error" in r]
+        if errors:
+            failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
+            continue
+        model = AutoModelForCausalLM.from_pretrained(case["source"], dtype=getattr(torch, case["dtype"]))
+        got = dump["rank0"]["state"]
+        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
+                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
+        if differ:
+            failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
+        if not any(r["report"].get("stream", {}).get("bytes_received") for r in dump["ranks"]):
+            failures.append(f"{case['name']}: nothing was streamed")
+    return failures
+
+
+MODES = {"stream": run_stream, "configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "save": run_save}
 
 
 def main() -> int:
