@@ -55,15 +55,15 @@ def _save_random(config, path: str, dtype, seed: int, shard: str) -> str:
     return path
 
 
-def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int) -> list[tuple[str, str]]:
-    """(name, folder) of `n` random small configs of FAMILIES."""
+def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, families=None) -> list[tuple[str, str]]:
+    """(name, folder) of `n` random small configs of `families` (default FAMILIES; any of tests/families.SWEEP)."""
     import torch
 
     from tests.families import small_config
 
     out = []
     for i in range(n):
-        family = rng.choice(FAMILIES)
+        family = rng.choice(families or FAMILIES)
         config = small_config(family)
         sizes = dict(intermediate_size=rng.choice([37, 50, 64]), moe_intermediate_size=rng.choice([13, 22, 29]),
                      num_experts=rng.choice([3, 5, 6]), num_local_experts=rng.choice([3, 5, 6]),
@@ -116,7 +116,8 @@ def run_configs(args, rng) -> list[str]:
 
     cases = [{"name": name, "path": path, "dtype": "float32",
               "out": os.path.join(args.workdir, "out", f"configs_{args.seed}_{i}_w{args.world_size}.pt")}
-             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed))]
+             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed,
+                                                                 args.families))]
     return explain(compare_with_plain_loads(cases, args.world_size, args.workdir), cases)
 
 
@@ -124,7 +125,7 @@ def run_missing(args, rng) -> list[str]:
     from tests.checkpoints import rewrite_checkpoint
     from tests.test_families import compare_with_plain_loads
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed)
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
@@ -134,7 +135,8 @@ def run_missing(args, rng) -> list[str]:
             keep = random.Random(key_seed)
             return {k: v for k, v in tensors.items() if keep.random() > fraction}
 
-        dst = rewrite_checkpoint(src, os.path.join(args.workdir, "missing", f"{os.path.basename(src)}_{args.seed}_{i}"), drop)
+        dst = rewrite_checkpoint(src, os.path.join(args.workdir, "missing", f"{os.path.basename(src)}_{args.seed}_{i}"),
+                                 drop)
         budget = rng.choice([4096, 65536, None])
         kwargs = {"allow_suspicious_missing_keys": True, **({"missing_init_budget_bytes": budget} if budget else {})}
         cases.append({"name": f"{name} -{fraction:.0%} keys, budget {budget}", "path": dst, "dtype": "float32",
@@ -275,7 +277,7 @@ def run_save(args, rng) -> list[str]:
     from tests.conftest import run_torchrun
     from tests.test_families import save_failure
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed)
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
@@ -298,7 +300,7 @@ def run_stream(args, rng) -> list[str]:
 
     from tests.conftest import run_nodes
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed)
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
@@ -335,6 +337,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--world-size", type=int, default=3)
     ap.add_argument("--cases", type=int, default=16)
+    ap.add_argument("--families", type=lambda v: v.split(","), help="comma-separated model types (default: 24 "
+                    "dense and MoE ones; any the family sweep builds)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
     args = ap.parse_args()
     os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)

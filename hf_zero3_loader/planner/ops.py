@@ -80,8 +80,8 @@ def _ernie_fuse_and_split(op, inputs, source_patterns, target_patterns, ctx):
     parts: dict[str, list[Sym]] = {}
     for pattern in source_patterns:
         if pattern not in inputs:
-            raise ConversionInputError(f"Expected pattern {pattern} in collected tensors but only found tensors for: "
-                             f"{inputs.keys()}")
+            raise ConversionInputError(f"Expected pattern {pattern} in collected tensors but only found tensors "
+                                       f"for: {inputs.keys()}")
         syms = inputs[pattern] if isinstance(inputs[pattern], list) else [inputs[pattern]]
         size = math.ceil(len(syms) / len(target_patterns))
         for k, target in enumerate(target_patterns):
@@ -112,7 +112,8 @@ def _fp8_dequantize(op, inputs, source_patterns, target_patterns, ctx):
         rows, cols = weight.shape[-2:]
         scale_rows, scale_cols = scale.shape[-2:] if len(scale.shape) >= 2 else (1, 1)
         if rows % scale_rows or cols % scale_cols:  # transformers' own check, its own words
-            raise ConversionInputError(f"Weight shape ({rows}, {cols}) not divisible by scale grid ({scale_rows}, {scale_cols}).")
+            raise ConversionInputError(
+                f"Weight shape ({rows}, {cols}) not divisible by scale grid ({scale_rows}, {scale_cols}).")
         scale_entry = ctx["entry"](scale.key)
         dtype = out_dtype or (scale_entry.dtype if scale_entry.dtype.is_floating_point and scale_entry.itemsize >= 2
                               else torch.bfloat16)
@@ -136,8 +137,8 @@ def _fp8_dequantize(op, inputs, source_patterns, target_patterns, ctx):
         weights = value if isinstance(value, list) else [value]
         scales = inputs[scale_key] if isinstance(inputs[scale_key], list) else [inputs[scale_key]]
         if len(weights) != len(scales):
-            raise ConversionInputError(f"Fp8Dequantize: weight/scale count mismatch for {key} ({len(weights)} weights vs "
-                             f"{len(scales)} scales).")
+            raise ConversionInputError(f"Fp8Dequantize: weight/scale count mismatch for {key} ({len(weights)} "
+                                       f"weights vs {len(scales)} scales).")
         out[key] = [dequantized(w, s) for w, s in zip(weights, scales)]
     return out
 

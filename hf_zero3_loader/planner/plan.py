@@ -317,7 +317,8 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
 def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str]], meta_state: dict) -> None:
     """Targets whose checkpoint tensors a conversion op refuses (e.g. fused experts with some experts' tensors
     absent: the concatenation of unequal stacks). A plain load fails on them too ("issues during automatic
-    conversion"), whatever `ignore_mismatched_sizes` says; name each target, the numbered tensors it lacks and the op's complaint."""
+    conversion"), whatever `ignore_mismatched_sizes` says; name each target, the numbered tensors it lacks and the
+    op's complaint."""
     lines = []
     for target, keys, message in failed[:8]:
         shape = tuple(meta_state[target].shape) if target in meta_state else ()
@@ -326,7 +327,8 @@ def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str
         lines.append(f"  {target}:{lacks} {message}")
     raise CheckpointError(
         f"{len(failed)} parameters cannot be converted from this checkpoint's tensors (transformers' conversion "
-        "refuses them too: a shard or an index entry missing, or a checkpoint of another layout?):\n" + "\n".join(lines))
+        "refuses them too: a shard or an index entry missing, or a checkpoint of another layout?):\n"
+        + "\n".join(lines))
 
 
 def missing_inputs(resolution: Resolution, target: str, model_shape: tuple) -> list[str]:
