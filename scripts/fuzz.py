@@ -6,6 +6,7 @@
     python scripts/fuzz.py headers --seed 1 --cases 40                  # safetensors headers mutated at random
     python scripts/fuzz.py save    --seed 1 --world-size 3 --cases 16   # saves of the `configs` checkpoints
     python scripts/fuzz.py stream  --seed 1 --world-size 2 --cases 8    # them streamed to "nodes" without files
+    python scripts/fuzz.py state_dict --seed 1 --world-size 3 --cases 12  # from_pretrained(None, state_dict=...)
 
 Each mode builds its checkpoints with transformers' config classes and `save_pretrained` under --workdir (reused
 across runs), runs them through real torchrun ranks (tests/dist_worker.py) and checks what the tests check:
@@ -16,6 +17,8 @@ across runs), runs them through real torchrun ranks (tests/dist_worker.py) and c
   same error on every rank, where the plain load fails too (a LoaderError, or the plain load's own error) or where
   it would randomly initialise what the checkpoint holds under another name (`ConversionMismatchError`, the guard
   against silent random init); a success equal to the plain load;
+- state_dict: `from_pretrained(None, config=..., state_dict=...)` in the checkpoint's layout or the model's, a key
+  dropped at random, values on rank 0 only at times; equal to the plain load of the same state dict (same seed);
 - stream: one rank per "node" (`run_nodes`), only node 0 with the files; equal to the plain load in the load's dtype;
 - save: the folder is byte for byte what transformers' `save_pretrained` writes for the gathered model.
 Random sizes are odd (37, 13, 29, ...), expert counts 3-8, checkpoints fp32/fp16/bf16 and sharded at odd points
@@ -328,7 +331,56 @@ def run_stream(args, rng) -> list[str]:
     return failures
 
 
-MODES = {"stream": run_stream, "configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "save": run_save}
+def run_state_dict(args, rng) -> list[str]:
+    """`from_pretrained(None, config=..., state_dict=...)` of random configs: the state dict in the checkpoint's
+    layout or the model's own, a key dropped at random, the values on every rank or on rank 0 only (meta elsewhere)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.checkpoints import state_dict_of
+    from tests.conftest import run_torchrun
+
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
+    cases = []
+    for i in range(args.cases):
+        name, src = rng.choice(sources)
+        layout = rng.choice(["checkpoint", "model"])
+        keys = sorted(state_dict_of(src, layout, AutoModelForCausalLM._model_mapping[type(
+            AutoConfig.from_pretrained(src))]))
+        drop = [rng.choice(keys)] if rng.random() < 0.4 else []
+        meta = list(range(1, args.world_size)) if rng.random() < 0.5 else []
+        cases.append({"name": f"{name} {layout} layout, drop {drop}, meta on {meta}", "path": src,
+                      "dtype": "float32", "seed": 7, "state_dict": {"layout": layout, "drop": drop,
+                                                                    "meta_on_ranks": meta},
+                      "kwargs": {"allow_suspicious_missing_keys": True},
+                      "out": os.path.join(args.workdir, "out", f"state_dict_{args.seed}_{i}_w{args.world_size}.pt")})
+    failures = []
+    for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
+        errors = [r["error"] for r in dump["ranks"] if "error" in r]
+        config = AutoConfig.from_pretrained(case["path"])
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        state = state_dict_of(case["path"], case["state_dict"]["layout"], model_class)
+        for key in case["state_dict"]["drop"]:
+            del state[key]
+        torch.manual_seed(7)
+        try:
+            model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
+        except Exception as e:
+            if not errors:
+                failures.append(f"{case['name']}: loaded, while the plain load fails: {type(e).__name__}: {e}")
+            continue
+        if errors:
+            failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
+            continue
+        got = dump["rank0"]["state"]
+        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
+                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
+        if differ:
+            failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
+    return failures
+
+
+MODES = {"state_dict": run_state_dict, "stream": run_stream, "configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "save": run_save}
 
 
 def main() -> int:
