@@ -1,4 +1,4 @@
-"""Randomised checks beyond the tests' fixed cases: random small configs, dropped keys, damaged headers, saves.
+"""Randomised checks beyond the tests' fixed cases: random configs, dropped keys, damaged headers, streams, saves.
 
     python scripts/fuzz.py configs --seed 1 --world-size 3 --cases 24   # random MoE/dense configs, dtypes, shards
     python scripts/fuzz.py missing --seed 1 --world-size 3 --cases 20   # their checkpoints with random keys dropped
@@ -29,6 +29,7 @@ if any.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -78,8 +79,9 @@ def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, fami
                 setattr(config, key, value)
         dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
         shard = rng.choice(["10GB", "30KB", "7KB"])
-        try:
-            path = _save_random(config, os.path.join(workdir, "configs", f"{family}_{seed}_{i}"), dtype, i, shard)
+        drawn = hashlib.sha1(f"{config.to_json_string()} {dtype} {shard}".encode()).hexdigest()[:8]
+        try:  # one folder per drawn checkpoint: reused by any run (mode) that draws it again
+            path = _save_random(config, os.path.join(workdir, "configs", f"{family}_{drawn}"), dtype, i, shard)
         except Exception as e:  # a config these sizes do not fit: not a loader case
             print(f"skipped {family}: {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -384,7 +386,7 @@ MODES = {"state_dict": run_state_dict, "stream": run_stream, "configs": run_conf
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=sorted(MODES))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--world-size", type=int, default=3)
