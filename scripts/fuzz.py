@@ -7,6 +7,7 @@
     python scripts/fuzz.py save    --seed 1 --world-size 3 --cases 16   # saves of the `configs` checkpoints
     python scripts/fuzz.py stream  --seed 1 --world-size 2 --cases 8    # them streamed to "nodes" without files
     python scripts/fuzz.py state_dict --seed 1 --world-size 3 --cases 12  # from_pretrained(None, state_dict=...)
+    python scripts/fuzz.py nvme    --seed 1 --world-size 3 --cases 6    # NVMe parameter offload (needs libaio)
 
 Each mode builds its checkpoints with transformers' config classes and `save_pretrained` under --workdir (reused
 across runs), runs them through real torchrun ranks (tests/dist_worker.py) and checks what the tests check:
@@ -19,6 +20,7 @@ across runs), runs them through real torchrun ranks (tests/dist_worker.py) and c
   against silent random init); a success equal to the plain load;
 - state_dict: `from_pretrained(None, config=..., state_dict=...)` in the checkpoint's layout or the model's, a key
   dropped at random, values on rank 0 only at times; equal to the plain load of the same state dict (same seed);
+- nvme: partitions swapped out to DeepSpeed's NVMe files in waves of random sizes; equal to the plain load;
 - stream: one rank per "node" (`run_nodes`), only node 0 with the files; equal to the plain load in the load's dtype;
 - save: right after the load or after two training steps, the folder is byte for byte what transformers'
   `save_pretrained` writes for the gathered model, and loads back to the saved values.
@@ -389,8 +391,70 @@ def run_state_dict(args, rng) -> list[str]:
     return failures
 
 
+def run_nvme(args, rng) -> list[str]:
+    """NVMe parameter offload (ZeRO-Infinity): random configs large enough for DeepSpeed to swap their partitions
+    (it swaps only those of at least 1 MiB), read in waves of random `staging_bytes`, loaded in fp32 or bf16."""
+    import torch
+    import transformers as T
+
+    from hf_zero3_loader.deepspeed_setup import async_io_buildable
+    from tests.conftest import run_torchrun
+    from tests.test_nvme_offload import nvme_config
+
+    if not async_io_buildable():
+        print("nvme: DeepSpeed's async_io op needs libaio (apt-get install libaio-dev)")
+        return []
+    cases = []
+    for i in range(args.cases):
+        family = rng.choice(["qwen3_moe", "mixtral", "deepseek_v3", "llama"])
+        experts = rng.choice([5, 8])
+        common = dict(vocab_size=rng.choice([3001, 4096]), hidden_size=rng.choice([384, 520]), num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=rng.random() < 0.3, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        if family == "qwen3_moe":
+            config = T.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=rng.choice([300, 512]),
+                                      moe_intermediate_size=rng.choice([200, 257]), num_experts=experts,
+                                      num_experts_per_tok=2)
+        elif family == "mixtral":
+            config = T.MixtralConfig(**common, intermediate_size=rng.choice([300, 257]), num_local_experts=experts,
+                                     num_experts_per_tok=2)
+        elif family == "deepseek_v3":
+            config = T.DeepseekV3Config(**common, intermediate_size=300, moe_intermediate_size=rng.choice([200, 257]),
+                                        n_routed_experts=experts, n_shared_experts=1, first_k_dense_replace=1,
+                                        kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                        v_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2)
+        else:
+            config = T.LlamaConfig(**common, intermediate_size=rng.choice([1000, 1377]))
+        saved_as, dtype = rng.choice([torch.bfloat16, torch.float32]), rng.choice(["bfloat16", "float32"])
+        drawn = hashlib.sha1(f"{config.to_json_string()} {saved_as}".encode()).hexdigest()[:8]
+        path = _save_random(config, os.path.join(args.workdir, "nvme", f"{family}_{drawn}"), saved_as, i,
+                            rng.choice(["10GB", "3MB"]))
+        ds_config = nvme_config(dtype, os.path.join(args.workdir, "nvme_swap", f"{args.seed}_{i}"))
+        ds_config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << 21  # fits the largest partition here
+        cases.append({"name": f"{family}#{i} {dtype} from {str(saved_as)[6:]}", "path": path, "dtype": dtype,
+                      "seed": 0, "ds_config": ds_config,
+                      "kwargs": {"staging_bytes": rng.choice([1 << 20, 3 << 20, 64 << 20])},
+                      "out": os.path.join(args.workdir, "out", f"nvme_{args.seed}_{i}_w{args.world_size}.pt")})
+    failures = []
+    for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
+        errors = [r["error"] for r in dump["ranks"] if "error" in r]
+        if errors:
+            failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
+            continue
+        swapped = [r["report"].get("nvme", {}).get("partitions_swapped_out", 0) for r in dump["ranks"]]
+        print(f"  {case['name']}: partitions swapped out per rank {swapped}")  # 0: all under its size floor
+        torch.manual_seed(0)
+        model = T.AutoModelForCausalLM.from_pretrained(case["path"], dtype=getattr(torch, case["dtype"]))
+        got = dump["rank0"]["state"]
+        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
+                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
+        if differ:
+            failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
+    return failures
+
+
 MODES = {"configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "stream": run_stream,
-         "state_dict": run_state_dict, "save": run_save}
+         "state_dict": run_state_dict, "nvme": run_nvme, "save": run_save}
 
 
 def main() -> int:
