@@ -92,6 +92,14 @@ def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, fami
     return out
 
 
+def differing(got: dict, model) -> list[str]:
+    """Names of `model`'s parameters and buffers that the gathered `got` lacks or holds with other bits or dtype."""
+    import torch
+
+    return [k for k, w in [*model.named_parameters(), *model.named_buffers()]
+            if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
+
+
 def plain_failure(path: str) -> str | None:
     """Why a plain load of `path` fails, or None."""
     import torch
@@ -274,9 +282,7 @@ def run_headers(args, rng) -> list[str]:
         torch.manual_seed(3)
         model = transformers.AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
         got = dump["rank0"]["state"]
-        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
-                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
-        if differ:
+        if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
     return failures
 
@@ -333,9 +339,7 @@ def run_stream(args, rng) -> list[str]:
             continue
         model = AutoModelForCausalLM.from_pretrained(case["source"], dtype=getattr(torch, case["dtype"]))
         got = dump["rank0"]["state"]
-        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
-                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
-        if differ:
+        if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
         if not any(r["report"].get("stream", {}).get("bytes_received") for r in dump["ranks"]):
             failures.append(f"{case['name']}: nothing was streamed")
@@ -384,9 +388,7 @@ def run_state_dict(args, rng) -> list[str]:
             failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
             continue
         got = dump["rank0"]["state"]
-        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
-                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
-        if differ:
+        if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
     return failures
 
@@ -446,9 +448,7 @@ def run_nvme(args, rng) -> list[str]:
         torch.manual_seed(0)
         model = T.AutoModelForCausalLM.from_pretrained(case["path"], dtype=getattr(torch, case["dtype"]))
         got = dump["rank0"]["state"]
-        differ = [k for k, w in [*model.named_parameters(), *model.named_buffers()]
-                  if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
-        if differ:
+        if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
     return failures
 
