@@ -53,7 +53,7 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
         from .planner.plan import missing_inputs
 
         short = [t for t, _, shape in sorted(first.mismatched_keys, key=lambda m: m[0])
-                 if missing_inputs(resolution, t, tuple(shape))]
+                 if missing_inputs(resolution.inputs.get(t, {}), tuple(shape))]
         warnings.append(f"{len(first.mismatched_keys)} model tensors have another shape in the checkpoint"
                         + (f" ({len(short)} lack numbered checkpoint tensors, e.g. {short[0]})" if short else "")
                         + ": the load refuses them (with ignore_mismatched_sizes=True they are initialised at load)")

@@ -281,7 +281,7 @@ class Zero3Load:
     def _refuse_incomplete_inputs(resolution) -> None:
         """Merged tensors (fused experts) short of some of their checkpoint tensors: name them, rather than the size
         mismatch transformers would report."""
-        short = [(target, missing_inputs(resolution, target, tuple(shape)))
+        short = [(target, missing_inputs(resolution.inputs.get(target, {}), tuple(shape)))
                  for target, _, shape in sorted(resolution.mismatched_keys, key=lambda m: m[0])]
         short = [(target, missing) for target, missing in short if missing]
         if short:

@@ -49,17 +49,10 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "minimax", "qwen2_
 
 
 def _save_random(config, path: str, dtype, seed: int, shard: str) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The tests' checkpoint maker (random weights perturbed, so that mix-ups show), at a random shard size."""
+    from tests.checkpoints import make_checkpoint
 
-    if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        with torch.no_grad():  # random-init norms are ones: perturb everything so mix-ups show
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.5)
-        model.save_pretrained(path, max_shard_size=shard)
-    return path
+    return make_checkpoint(path, config.model_type, dtype=dtype, seed=seed, config=config, max_shard_size=shard)
 
 
 def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, families=None) -> list[tuple[str, str]]:

@@ -29,8 +29,9 @@ def make_config(family: str):
 
 
 def make_checkpoint(path: str, family: str, dtype: torch.dtype = torch.float32, sharded: bool = False,
-                    seed: int = 0, config=None, model_class=None) -> str:
-    """Write a checkpoint for `family` to `path` (once; reused if present) and return `path`."""
+                    seed: int = 0, config=None, model_class=None, max_shard_size: str | None = None) -> str:
+    """Write a checkpoint for `family` to `path` (once; reused if present) and return `path`. `max_shard_size`
+    overrides the shard size `sharded` picks."""
     from transformers import AutoModelForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
@@ -47,7 +48,7 @@ def make_checkpoint(path: str, family: str, dtype: torch.dtype = torch.float32, 
             noise = torch.randn_like(p) * 0.5
             garbage = ~torch.isfinite(p) | (p.abs() > 1e4) if p.is_floating_point() else None
             p.copy_(torch.where(garbage, noise, p + noise) if garbage is not None and garbage.any() else p + noise)
-    model.save_pretrained(path, max_shard_size="20KB" if sharded else "10GB")
+    model.save_pretrained(path, max_shard_size=max_shard_size or ("20KB" if sharded else "10GB"))
     return path
 
 

@@ -322,7 +322,7 @@ def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str
     lines = []
     for target, keys, message in failed[:8]:
         shape = tuple(meta_state[target].shape) if target in meta_state else ()
-        missing = missing_inputs_of(keys, shape)
+        missing = missing_inputs(keys, shape)
         lacks = f" lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''};" if missing else ""
         lines.append(f"  {target}:{lacks} {message}")
     raise CheckpointError(
@@ -331,14 +331,9 @@ def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str
         + "\n".join(lines))
 
 
-def missing_inputs(resolution: Resolution, target: str, model_shape: tuple) -> list[str]:
-    """Checkpoint keys a mismatched `target` lacks: the numbered tensors (`experts.*.w1`, ...) a merge expects
-    `model_shape[0]` of, that the checkpoint does not hold."""
-    return missing_inputs_of(resolution.inputs.get(target, {}), model_shape)
-
-
-def missing_inputs_of(inputs: dict[str, list[str]], model_shape: tuple) -> list[str]:
-    """`missing_inputs` for a target's checkpoint keys by source pattern."""
+def missing_inputs(inputs: dict[str, list[str]], model_shape: tuple) -> list[str]:
+    """Checkpoint keys a target lacks, from its checkpoint keys by source pattern (`Resolution.inputs[target]`): the
+    numbered tensors (`experts.*.w1`, ...) a merge expects `model_shape[0]` of, that the checkpoint does not hold."""
     missing = []
     for pattern, keys in inputs.items():
         parts = pattern.split(".")
