@@ -11,6 +11,8 @@ gathered together, since initialising them one at a time would draw those number
 init fills a slice of a *loaded* param outside the guarded init functions (a padding row zeroed on every load, as
 Funnel's, Chinese-CLIP's, Youtu's and BLT's inits do): that param is gathered to replay the write the plain load keeps.
 A missing tensor that no init writes at all is found by `UnwrittenWatch`, zeroed and named.
+Partitions on an accelerator are initialised in host memory (`on_host`) and copied back: a plain load initialises on
+the CPU, and the same init on a GPU draws other numbers (CUDA's generator) from other kernels.
 """
 
 from __future__ import annotations
@@ -348,6 +350,21 @@ class UnwrittenWatch:
             len(names), type(model).__name__, ", ".join(names[:8]), f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
+@contextmanager
+def on_host(params):
+    """While init runs, gathered params on an accelerator hold host memory, copied into their device data after: the
+    plain load's CPU generator and kernels give the values (bit-exact), and the host holds one step's gather at most."""
+    moved = [(p, p.data) for p in params if p.data.device.type != "cpu"]
+    for p, data in moved:
+        p.data = torch.empty(data.shape, dtype=data.dtype)
+    try:
+        yield
+    finally:
+        for p, data in moved:
+            data.copy_(p.data)
+            p.data = data
+
+
 def _run_init_step(model, modules, alone, stand_ins, stats: InitStats, is_custom_code: bool) -> None:
     if alone is not None:  # the module's other missing params are skipped by the guarded init
         (module, owner), (alone, group) = modules[0], alone
@@ -382,7 +399,7 @@ def initialize_missing(model, budget_bytes: int = DEFAULT_BUDGET_BYTES, stats: I
             gather = ds_private.gathered_to_modify(params) if params else nullcontext()
             if params:
                 stats.gathers.append(sum(_nbytes(p) for p in params))
-            with gather, logical_shapes(modules) as stand_ins:
+            with gather, on_host(params), logical_shapes(modules) as stand_ins:
                 unwritten.mark(params)
                 _run_init_step(model, modules, alone, stand_ins, stats, is_custom_code)
                 unwritten.check(params)

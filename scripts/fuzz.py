@@ -461,7 +461,8 @@ def run_nvme(args, rng) -> list[str]:
         path = _save_random(config, os.path.join(args.workdir, "nvme", f"{family}_{drawn}"), saved_as, i,
                             rng.choice(["10GB", "3MB"]))
         ds_config = nvme_config(dtype, os.path.join(args.workdir, "nvme_swap", f"{args.seed}_{i}"))
-        ds_config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << 21  # fits the largest partition here
+        # fits the largest partition here (at 1 rank: the largest tensor)
+        ds_config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << (21 if args.world_size > 1 else 22)
         cases.append({"name": f"{family}#{i} {dtype} from {str(saved_as)[6:]}", "path": path, "dtype": dtype,
                       "seed": 0, "ds_config": ds_config,
                       "kwargs": {"staging_bytes": rng.choice([1 << 20, 3 << 20, 64 << 20])},

@@ -4,6 +4,8 @@
 #   here, once:        bash scripts/gpu_check.sh wheels    # fills .whl/ (git-ignored) with what the image lacks
 #   on the device:     device run, command "bash scripts/gpu_check.sh run tests", carry [".whl"]
 #                      then "bash scripts/gpu_check.sh run bench" (a call may run 10 minutes; `run` does both)
+#                      "run fuzz": scripts/fuzz.py's modes at world size 1 on NCCL (partitions on the GPU);
+#                      FUZZ_MODES="missing 8,save 4" picks modes and cases, FUZZ_TIMEOUT bounds each (s)
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
 # EP, then cold; `run nvme`: NVMe offload), keeping every log in $OUT (out/gpu when run by hand). Update the README's
 # GPU section from them. The image has no libaio either (DeepSpeed's async_io op, NVMe offload): `wheels` copies this
@@ -50,7 +52,8 @@ case "${1:-}" in
     { nvidia-smi; python3 -c "import torch, transformers, deepspeed; print(torch.__version__, transformers.__version__,
       deepspeed.__version__, torch.cuda.get_device_name())"
       python3 -c "from deepspeed.accelerator import get_accelerator as a; b = a().create_op_builder('AsyncIOBuilder')
-print('async_io buildable:', b.is_compatible(verbose=True)); b.load(); print('async_io built')"; } > "$out/versions.txt" 2>&1 || true
+print('async_io buildable:', b.is_compatible(verbose=True))"; } > "$out/versions.txt" 2>&1 || true
+    # (not built here: the first NVMe load builds it, ~1 minute on a fresh machine; a run without NVMe skips that)
     what="${2:-all}" status=0
     if [[ "$what" == all || "$what" == tests ]]; then
       python3 -m pytest -q tests/test_gpu.py ${GPU_TESTS:+-k "$GPU_TESTS"} 2>&1 | tee "$out/test_gpu.log" || status=1
@@ -62,6 +65,16 @@ print('async_io buildable:', b.is_compatible(verbose=True)); b.load(); print('as
         --json "$out/bench_cold.json" > "$out/bench_cold.log" 2>&1 || status=1
       tail -n 25 "$out/bench_warm.log" "$out/bench_cold.log"
     fi
+    if [[ "$what" == fuzz ]]; then  # scripts/fuzz.py's modes through the GPU path, into one log
+      IFS=, read -ra specs <<< "${FUZZ_MODES:-configs 14,missing 10,save 8,state_dict 6,nvme 3,ep 4}"
+      for spec in "${specs[@]}"; do
+        set -- $spec
+        echo "== fuzz $1, $2 cases, world size 1, NCCL" >> "$out/fuzz.log"
+        HF_ZERO3_TEST_BACKEND=nccl timeout "${FUZZ_TIMEOUT:-120}" python3 scripts/fuzz.py "$1" --world-size 1 \
+          --cases "$2" --seed 7 --workdir /tmp/fuzz >> "$out/fuzz.log" 2>&1 || { rc=$?; status=1; echo "== rc $rc" >> "$out/fuzz.log"; }
+      done
+      grep -E "^==|failure|^  " "$out/fuzz.log" | tail -n 60
+    fi
     if [[ "$what" == nvme ]]; then
       python3 scripts/bench_load.py --world-sizes 1 --repeats 2 --nvme --workdir /tmp/bench \
         --json "$out/bench_nvme.json" > "$out/bench_nvme.log" 2>&1 || status=1
@@ -69,5 +82,5 @@ print('async_io buildable:', b.is_compatible(verbose=True)); b.load(); print('as
     fi
     exit $status
     ;;
-  *) echo "usage: bash scripts/gpu_check.sh wheels | run [all|tests|bench|nvme]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/gpu_check.sh wheels | run [all|tests|bench|fuzz|nvme]" >&2; exit 2 ;;
 esac

@@ -104,6 +104,27 @@ def test_gpu_offloaded_partitions_are_read_in_place(workdir):
         assert actual.dtype == want.dtype and torch.equal(actual, want), name
 
 
+def test_gpu_missing_keys_are_initialised_as_the_plain_load_does(workdir):
+    """A checkpoint without its second layer: the missing params are gathered on the GPU but initialised in host
+    memory (`missing_init.on_host`), so a seeded load gives the plain CPU load's values, not CUDA's generator's; in
+    one step (default budget) and one param at a time (a 4 KiB budget)."""
+    from tests.checkpoints import rewrite_checkpoint
+    from tests.test_families import load_failure
+
+    cases = []
+    for family in ("qwen3_moe", "llama_tied"):
+        src = make_checkpoint(os.path.join(workdir, f"gpu_full_{family}"), family)
+        path = rewrite_checkpoint(src, os.path.join(workdir, f"gpu_missing_{family}"),
+                                  lambda tensors: {k: v for k, v in tensors.items() if ".layers.1." not in k})
+        for budget in (None, 4096):
+            kwargs = {"allow_suspicious_missing_keys": True, **({"missing_init_budget_bytes": budget} if budget else {})}
+            cases.append({"name": f"{family}, budget {budget}", "path": path, "dtype": "float32", "seed": 11,
+                          "kwargs": kwargs, "out": os.path.join(workdir, f"gpu_missing_{family}_{budget}.pt")})
+    dumps = run_torchrun(1, cases, workdir, env=NCCL)
+    failures = [f for case, dump in zip(cases, dumps) if (f := load_failure(case, dump, seed=11))]
+    assert not failures, "\n".join(failures)
+
+
 def test_gpu_every_family_in_the_sweep_equals_the_plain_load(workdir):
     """The staged path as users get it (pinned slots, copies on a side stream, slots reused after their copy's event)
     over every family in the sweep, at world size 1 with a 64 KiB budget and 2 reader threads: bit- and dtype-equal
