@@ -6,6 +6,9 @@
 #                      then "bash scripts/gpu_check.sh run bench" (a call may run 10 minutes; `run` does both)
 #                      "run fuzz": scripts/fuzz.py's modes at world size 1 on NCCL (partitions on the GPU);
 #                      FUZZ_MODES="missing 8,save 4" picks modes and cases, FUZZ_TIMEOUT bounds each (s)
+# With 15 minutes of device time (one start, one call of <= 10 minutes), one call: "timeout 330 bash
+# scripts/gpu_check.sh run tests; FUZZ_MODES='missing 10,configs 10' FUZZ_TIMEOUT=60 bash scripts/gpu_check.sh run
+# fuzz" (on an H200 the first four tests took ~3 minutes; the sweep and NVMe tests are the long ones), then give it back.
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
 # EP, then cold; `run nvme`: NVMe offload), keeping every log in $OUT (out/gpu when run by hand). Update the README's
 # GPU section from them. The image has no libaio either (DeepSpeed's async_io op, NVMe offload): `wheels` copies this
