@@ -11,8 +11,9 @@ gathered together, since initialising them one at a time would draw those number
 init fills a slice of a *loaded* param outside the guarded init functions (a padding row zeroed on every load, as
 Funnel's, Chinese-CLIP's, Youtu's and BLT's inits do): that param is gathered to replay the write the plain load keeps.
 A missing tensor that no init writes at all is found by `UnwrittenWatch`, zeroed and named.
-Partitions on an accelerator are initialised in host memory (`on_host`) and copied back: a plain load initialises on
-the CPU, and the same init on a GPU draws other numbers (CUDA's generator) from other kernels.
+Partitions on an accelerator are initialised in host memory (`on_host`) and copied back, and the partitioned params an
+init sees are host stand-ins: a plain load initialises on the CPU, and the same init on a GPU draws other numbers
+(CUDA's generator) from other kernels.
 """
 
 from __future__ import annotations
@@ -179,9 +180,10 @@ SENTINEL = -(2.0 ** -15)
 
 
 class StandIns:
-    """Partitioned params of the modules being initialised, shown with their logical shape (see `logical_shapes`). All
-    stand-ins of one dtype are views of one element holding SENTINEL, so `written()` tells, in one comparison per dtype,
-    whether an init has filled any of them (which the expanded view allows, unlike other in-place ops)."""
+    """Partitioned params of the modules being initialised, shown with their logical shape (see `logical_shapes`), in
+    host memory whatever device holds their partitions. All stand-ins of one dtype are views of one element holding
+    SENTINEL, so `written()` tells, in one comparison per dtype, whether an init has filled any of them (which the
+    expanded view allows, unlike other in-place ops)."""
 
     def __init__(self):
         self.swapped: dict[int, tuple] = {}  # id(param) -> (param, its real data)
@@ -193,8 +195,10 @@ class StandIns:
         if id(param) in self.swapped or getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
             return
         cell = self.cells.get(param.dtype)
-        if cell is None:
-            cell = self.cells[param.dtype] = torch.full((), SENTINEL, dtype=param.dtype, device=param.data.device)
+        if cell is None:  # on the host, as the missing params being initialised (`on_host`) and the plain load's are:
+            # a draw an init places by a param (`torch.empty(n, device=module.A_log.device).uniform_()`) takes the CPU
+            # generator there too, and the draws after it stay the plain load's
+            cell = self.cells[param.dtype] = torch.full((), SENTINEL, dtype=param.dtype)
         self.swapped[id(param)] = (param, param.data)
         param.data = cell.expand(param.ds_shape)
 
