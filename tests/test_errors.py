@@ -159,6 +159,10 @@ def bad(workdir):
         # one expert's gate projection only: the fused gate_up concatenates unequal stacks (a plain load fails too)
         "missing_one_gate_proj": rewrite_checkpoint(single, d("missing_gate_proj"), lambda t: {
             k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.gate_proj.weight"}),
+        # every gate projection of a layer: the fused gate_up has nothing to concatenate them with (the plain load
+        # fails too; this planner's concatenation once failed on it with an IndexError)
+        "missing_a_layers_gate_projs": rewrite_checkpoint(single, d("missing_gate_projs"), lambda t: {
+            k: v for k, v in t.items() if not (k.startswith("model.layers.1.mlp.experts.") and ".gate_proj." in k)}),
         "replaced": _copy(single, d("replaced")),
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
@@ -241,6 +245,10 @@ CASES = {
     "missing_one_gate_proj": ("missing_one_gate_proj", None, {}, None, "CheckpointError",
                               ["1 parameters cannot be converted", "model.layers.1.mlp.experts.gate_up_proj: lacks "
                                "model.layers.1.mlp.experts.3.gate_proj.weight;", "Concatenate(dim=1): shapes differ"]),
+    "missing_a_layers_gate_projs": ("missing_a_layers_gate_projs", None, {}, None, "CheckpointError",
+                                    ["1 parameters cannot be converted", "model.layers.1.mlp.experts.gate_up_proj: no "
+                                     "checkpoint tensor matches mlp.experts.*.gate_proj.weight;",
+                                     "Concatenate(dim=1): nothing to concatenate"]),
     # a shard atomically replaced after the headers were read: detected, never read at the old offsets
     "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
                                 "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
@@ -300,13 +308,15 @@ def test_same_clear_error_on_every_rank(outcomes, name):
 
 
 def test_what_the_plain_load_cannot_convert_it_refuses_too(bad):
-    """The refusal of `missing_one_gate_proj` is upstream's behaviour: a plain load fails on that checkpoint as well
-    (its conversion errors raise whatever `ignore_mismatched_sizes` says), only without naming the tensor."""
+    """The refusals of `missing_one_gate_proj` and `missing_a_layers_gate_projs` are upstream's behaviour: a plain load
+    fails on those checkpoints as well (its conversion errors raise whatever `ignore_mismatched_sizes` says), only
+    without naming the tensor."""
     from transformers import AutoModelForCausalLM
 
-    for ignore in (False, True):
-        with pytest.raises(RuntimeError, match="issues during automatic conversion"):
-            AutoModelForCausalLM.from_pretrained(bad["missing_one_gate_proj"], ignore_mismatched_sizes=ignore)
+    for name in ("missing_one_gate_proj", "missing_a_layers_gate_projs"):
+        for ignore in (False, True):
+            with pytest.raises(RuntimeError, match="issues during automatic conversion"):
+                AutoModelForCausalLM.from_pretrained(bad[name], ignore_mismatched_sizes=ignore)
 
 
 def test_malicious_pickle_never_runs(outcomes, bad):

@@ -45,6 +45,8 @@ def _stack(syms: list[Sym], dim: int, what: str) -> Sym:
 
 def _cat(syms: list[Sym], dim: int, what: str) -> Sym:
     """torch.cat(syms, dim)."""
+    # e.g. fused experts whose checkpoint lacks every gate projection of a layer: torch.cat of no tensors
+    _check(bool(syms), f"{what}: nothing to concatenate")
     dim = dim % len(syms[0].shape)
     others = {tuple(d for i, d in enumerate(s.shape) if i != dim) for s in syms}
     _check(len(others) == 1 and len({len(s.shape) for s in syms}) == 1,

@@ -295,7 +295,8 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
         try:
             converted_syms = apply_converter(mapping, first_name, ctx)
         except ConversionInputError as e:  # transformers' own load fails on these inputs too
-            failed.append((first_name, keys, str(e)))
+            absent = [p for p in getattr(mapping, "source_patterns", ()) if not mapping.collected_tensors.get(p)]
+            failed.append((first_name, {**keys, **dict.fromkeys(absent, [])}, str(e)))
             continue
         for target, sym in converted_syms.items():
             inputs[target] = keys
@@ -317,13 +318,15 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
 def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str]], meta_state: dict) -> None:
     """Targets whose checkpoint tensors a conversion op refuses (e.g. fused experts with some experts' tensors
     absent: the concatenation of unequal stacks). A plain load fails on them too ("issues during automatic
-    conversion"), whatever `ignore_mismatched_sizes` says; name each target, the numbered tensors it lacks and the
-    op's complaint."""
+    conversion"), whatever `ignore_mismatched_sizes` says; name each target, the numbered tensors it lacks (or the
+    source patterns none of its tensors match) and the op's complaint."""
     lines = []
     for target, keys, message in failed[:8]:
         shape = tuple(meta_state[target].shape) if target in meta_state else ()
         missing = missing_inputs(keys, shape)
         lacks = f" lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''};" if missing else ""
+        absent = [pattern for pattern, k in keys.items() if not k]
+        lacks += f" no checkpoint tensor matches {', '.join(absent)};" if absent else ""
         lines.append(f"  {target}:{lacks} {message}")
     raise CheckpointError(
         f"{len(failed)} parameters cannot be converted from this checkpoint's tensors (transformers' conversion "
