@@ -38,7 +38,7 @@ from transformers import core_model_loading as cml
 
 from hf_zero3_loader.checkpoint import open_checkpoint
 from hf_zero3_loader.errors import CheckpointError, UnsupportedConversionError
-from hf_zero3_loader.planner.ops import apply_converter
+from hf_zero3_loader.planner.ops import ConversionInputError, apply_converter
 from hf_zero3_loader.planner.plan import PartitionGroup, build_plan, check_plan_is_exact, runs_to_read_items
 from hf_zero3_loader.planner.symbolic import Sym, materialize, to_leaf_runs
 from hf_zero3_loader.reader import FileReader, execute_read
@@ -495,6 +495,28 @@ MALFORMED_CASES = [
                                          lambda: [cml.Concatenate(dim=1)]),
            {"a_part.weight": [(3, 5)], "b_part.weight": [(4, 5)]}, "model.ab.weight", []),
     OpCase("transpose_1d", W("w.src", "w.dst", lambda: [cml.Transpose(0, 1)]), {"w.src": [(5,)]}, "model.w.dst", []),
+    # fused experts whose checkpoint holds only the up projections of a layer: the merge's one output is named
+    # for the target, and the concatenation finds none of its sources (torch.cat of nothing)
+    OpCase("merge_then_concat_with_one_source_absent",
+           W(["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "mlp.experts.gate_up_proj",
+             lambda: [cml.MergeModulelist(dim=0), cml.Concatenate(dim=1)]),
+           {"mlp.experts.*.up_proj.weight": [(4, 3)] * E}, L0 + "mlp.experts.gate_up_proj", []),
+    # 0-dim tensors (a header whose shape is []) where an op needs a dim
+    OpCase("concat_0d", W(["a_part.weight", "b_part.weight"], "ab.weight", lambda: [cml.Concatenate(dim=0)]),
+           {"a_part.weight": [()], "b_part.weight": [()]}, "model.ab.weight", []),
+    OpCase("interleave_0d", W("w13.bias", "gate_up.bias", lambda: [cml.Interleave(dim=0)]),
+           {"w13.bias": [()]}, "model.gate_up.bias", []),
+    OpCase("chunk_0d", W("w.fused", ["w.a", "w.b"], lambda: [cml.Chunk(dim=0)]), {"w.fused": [()]},
+           "model.w.a", []),
+    OpCase("split_0d", W("proj.fused", ["proj.a", "proj.b"], lambda: [cml.Split(dim=0)]), {"proj.fused": [()]},
+           "model.proj.a", [], model_shapes={"model.proj.a": (1,), "model.proj.b": (1,)}),
+    # dims past the tensor's (torch refuses them; a modulo would wrap them onto another dim silently)
+    OpCase("interleave_dim1_of_1d", W("w13.bias", "gate_up.bias", lambda: [cml.Interleave(dim=1)]),
+           {"w13.bias": [(6,)]}, "model.gate_up.bias", []),
+    OpCase("transpose_dims_past_2d", W("w.src", "w.dst", lambda: [cml.Transpose(1, 2)]), {"w.src": [(5, 3)]},
+           "model.w.dst", []),
+    OpCase("merge_dim_out_of_range", W("e.*.w", "experts.w", lambda: [cml.MergeModulelist(dim=3)]),
+           {"e.*.w": [(5, 3), (5, 3)]}, "model.experts.w", []),
 ]
 
 
@@ -525,8 +547,8 @@ def test_malformed_input_refused_by_planner(case: OpCase):
         for sym in apply_converter(symbolic, case.layer_name, ctx).values():
             sym = sym[0] if isinstance(sym, list) else sym
             runs.extend(to_leaf_runs(sym, 0, sym.numel))
-    except Exception:
-        return  # refused, like transformers
+    except ConversionInputError:
+        return  # refused, like transformers, with the op's complaint (the load names the target with it)
     past_end = [r for r in runs if r.start + (r.length - 1) * r.stride >= leaf_numel[r.sym.key]]
     raise AssertionError(f"planned silently where transformers raises; runs past the end of a leaf: {past_end}")
 

@@ -34,10 +34,17 @@ def _check(ok: bool, message: str) -> None:
         raise ConversionInputError(message)
 
 
+def _dim(dim: int, ndim: int, what: str) -> int:
+    """`dim` as torch reads it for `ndim` dims (negative: from the end); out of range refused, as torch refuses it
+    (a plain modulo would wrap it silently onto another dim)."""
+    _check(-ndim <= dim < ndim, f"{what}: dim {dim} is out of range for {ndim} dims")
+    return dim % ndim
+
+
 def _stack(syms: list[Sym], dim: int, what: str) -> Sym:
     """torch.stack(syms, dim)."""
     _check(all(s.shape == syms[0].shape for s in syms), f"{what}: unequal shapes {[s.shape for s in syms]}")
-    dim = dim % (len(syms[0].shape) + 1)
+    dim = _dim(dim, len(syms[0].shape) + 1, what)
     shape = list(syms[0].shape)
     shape.insert(dim, len(syms))
     return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
@@ -47,7 +54,7 @@ def _cat(syms: list[Sym], dim: int, what: str) -> Sym:
     """torch.cat(syms, dim)."""
     # e.g. fused experts whose checkpoint lacks every gate projection of a layer: torch.cat of no tensors
     _check(bool(syms), f"{what}: nothing to concatenate")
-    dim = dim % len(syms[0].shape)
+    dim = _dim(dim, len(syms[0].shape), what)
     others = {tuple(d for i, d in enumerate(s.shape) if i != dim) for s in syms}
     _check(len(others) == 1 and len({len(s.shape) for s in syms}) == 1,
            f"{what}: shapes differ outside the dim: {[s.shape for s in syms]}")
@@ -172,6 +179,7 @@ def _chunk(op, inputs, source_patterns, target_patterns, ctx):
     if len(inputs) > 1:
         raise ConversionInputError("Undefined Operation encountered")
     src = _first(next(iter(inputs.values())))
+    _dim(op.dim, len(src.shape), f"Chunk(dim={op.dim})")
     targets = op.get_target_patterns(target_patterns, config=ctx["config"])
     # torch.chunk's own sizes (it may return fewer chunks than asked)
     sizes = [c.shape[op.dim] for c in torch.chunk(torch.empty(src.shape, device="meta"), len(targets), dim=op.dim)]
@@ -182,6 +190,7 @@ def _split(op, inputs, source_patterns, target_patterns, ctx):
     if len(inputs) > 1:
         raise ConversionInputError("Undefined Operation encountered")
     src = _first(next(iter(inputs.values())))
+    _dim(op.dim, len(src.shape), f"Split(dim={op.dim})")
     layer = ctx["full_layer_name"]
     # the model's true (logical) shapes: never a ZeRO-3 placeholder
     sizes = [ctx["shape_of"](layer.replace(target_patterns[0], t))[op.dim] for t in target_patterns]
@@ -199,7 +208,7 @@ def _interleave_perm(n: int, inverse: bool):
 
 def _interleave(op, inputs, source_patterns, target_patterns, ctx):
     src = _first(next(iter(inputs.values())))
-    dim = op.dim % len(src.shape)
+    dim = _dim(op.dim, len(src.shape), f"Interleave(dim={op.dim})")
     n = src.shape[dim]
     _check(n % 2 == 0, f"Interleave(dim={op.dim}): odd size {n}")
     return {target_patterns[0]: Sym(src.shape, mapper=Permute(dim, src.shape, src, _interleave_perm(n, op.inverse)))}
@@ -208,11 +217,11 @@ def _interleave(op, inputs, source_patterns, target_patterns, ctx):
 def _transpose(op, inputs, source_patterns, target_patterns, ctx):
     key = op.get_target_pattern(inputs, source_patterns, target_patterns)
     src = _first(next(iter(inputs.values())))
+    if op.check_dims and tuple(ctx["shape_of"](ctx["full_layer_name"])) == tuple(src.shape):
+        return {key: src}  # as the real op: already the model's shape, kept as it is
     ndim = len(src.shape)
     _check(ndim >= 2, f"Transpose: a {ndim}-D tensor has no dims {op.dim0}, {op.dim1}")
-    d0, d1 = sorted((op.dim0 % ndim, op.dim1 % ndim))
-    if op.check_dims and tuple(ctx["shape_of"](ctx["full_layer_name"])) == tuple(src.shape):
-        return {key: src}
+    d0, d1 = sorted(_dim(d, ndim, f"Transpose({op.dim0}, {op.dim1})") for d in (op.dim0, op.dim1))
     shape = list(src.shape)
     shape[d0], shape[d1] = shape[d1], shape[d0]
     return {key: Sym(tuple(shape), mapper=Transpose(d0, d1, tuple(shape), src))}
