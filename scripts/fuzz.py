@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -239,7 +240,7 @@ def run_ep(args, rng) -> list[str]:
 def _mutate(header: dict, rng: random.Random) -> str:
     keys = [k for k in header if k != "__metadata__"]
     key = rng.choice(keys)
-    kind = rng.choice(["dtype", "shape", "offsets", "delete", "rename", "shape_swap", "metadata", "extra"])
+    kind = rng.choice(["dtype", "shape", "offsets", "delete", "rename", "shape_swap", "reshape", "metadata", "extra"])
     entry = header[key]
     if kind == "dtype":
         entry["dtype"] = rng.choice(["F32", "F16", "BF16", "I32", "F64", "I64", "U8", "F8_E4M3", "BOOL", "I16"])
@@ -250,6 +251,9 @@ def _mutate(header: dict, rng: random.Random) -> str:
         entry["shape"] = shape
     elif kind == "shape_swap":
         entry["shape"] = list(reversed(entry["shape"]))
+    elif kind == "reshape":  # the same elements in another number of dims (what conversion ops' dims see)
+        shape = list(entry["shape"])
+        entry["shape"] = rng.choice([[math.prod(shape)], [1, *shape], shape[:-2] + [math.prod(shape[-2:])]])
     elif kind == "offsets":
         a, b = entry["data_offsets"]
         d = rng.choice([-4, 4, -2, 2, 1])
@@ -300,8 +304,14 @@ def run_headers(args, rng) -> list[str]:
     from tests.checkpoints import make_checkpoint
     from tests.conftest import run_ranks, run_torchrun
 
-    sources = [make_checkpoint(os.path.join(args.workdir, "headers", "source"), "qwen3_moe"),
-               make_checkpoint(os.path.join(args.workdir, "headers", "source_sharded"), "qwen3_moe", sharded=True)]
+    from tests.families import small_config
+
+    sources = []
+    for family in args.families or ["qwen3_moe"]:  # each family's checkpoint, whole and sharded
+        config, name = (None, "source") if family == "qwen3_moe" else (small_config(family), f"source_{family}")
+        sources += [make_checkpoint(os.path.join(args.workdir, "headers", name), family, config=config),
+                    make_checkpoint(os.path.join(args.workdir, "headers", name + "_sharded"), family, config=config,
+                                    sharded=True)]
     cases = []
     for i in range(args.cases):
         src = rng.choice(sources)
