@@ -115,9 +115,9 @@ def plain_trains(path: str) -> bool:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
-    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+        ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
         model(input_ids=ids, labels=ids).loss.backward()
     except Exception:
         return False
