@@ -97,6 +97,9 @@ class Checkpoint:
     sampled_bytes: int = 0
     # tensors the conversion computes from stored ones (dequantized FP8 / MXFP4), by key: see dequantize.py
     computed: dict = field(default_factory=dict)
+    # values of a pickle or state dict that are not tensors (an epoch, a note), by key: what they are; skipped, as
+    # transformers skips them, unless the model loads that key (`planner.plan.resolve_checkpoint` refuses that)
+    not_tensors: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -340,9 +343,10 @@ def check_files(folder: str | None, files: list[str]) -> None:
             raise CheckpointError(f"checkpoint file {path} is {kind}")
 
 
-def _open_pickled(path: str, weights_only: bool) -> dict[str, TensorEntry]:
+def _open_pickled(path: str, weights_only: bool, not_tensors: dict | None = None) -> dict[str, TensorEntry]:
     """A pickled (.bin) checkpoint, loaded as transformers loads it: memory-mapped when it is torch's zip format,
-    read whole when it is the legacy format (which cannot be mapped), and with `weights_only` unless trusted."""
+    read whole when it is the legacy format (which cannot be mapped), and with `weights_only` unless trusted.
+    Keys whose values are not tensors go into `not_tensors`."""
     import zipfile
 
     try:
@@ -360,6 +364,8 @@ def _open_pickled(path: str, weights_only: bool) -> dict[str, TensorEntry]:
     entries = {}
     for key, t in state.items():
         if not isinstance(t, torch.Tensor):
+            if not_tensors is not None:
+                not_tensors[key] = f"a {type(t).__name__} in {os.path.basename(path)}"
             continue
         if t.dtype not in SAFETENSORS_DTYPES.values():
             raise CheckpointError(f"{path}: tensor {key!r} has unsupported dtype {t.dtype}")
@@ -388,10 +394,11 @@ def checkpoint_from_state_dict(state_dict: dict, streamed: bool = False) -> Chec
     elements) is what ranks compare, so state dicts that differ between ranks (an unseeded random init, a rank that
     built its own) are refused rather than mixed. `streamed`: ranks with meta tensors receive their bytes from a
     rank with values (`streaming.find_state_dict_holders`, which compares the values among those)."""
-    entries = {}
+    entries, not_tensors = {}, {}
     for key, t in state_dict.items():
-        if not isinstance(t, torch.Tensor):
-            continue  # as in a pickled checkpoint (and transformers' own loading): only tensors are weights
+        if not isinstance(t, torch.Tensor):  # as in a pickled checkpoint: only tensors are weights
+            not_tensors[key] = f"a {type(t).__name__} in the state_dict"
+            continue
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise CheckpointError(f"state_dict[{key!r}] is a {type(t).__name__}; pass plain tensors (each rank copies "
                                   "its partitions from them)")
@@ -402,7 +409,7 @@ def checkpoint_from_state_dict(state_dict: dict, streamed: bool = False) -> Chec
             raise CheckpointError(f"state_dict[{key!r}] has unsupported dtype {t.dtype}")
         entries[key] = TensorEntry(key=key, file=STATE_DICT, dtype=t.dtype, shape=tuple(t.shape), data_start=0,
                                    tensor=t.detach())
-    checkpoint = Checkpoint(files=[], entries=entries, header_bytes=0, metadata={})
+    checkpoint = Checkpoint(files=[], entries=entries, header_bytes=0, metadata={}, not_tensors=not_tensors)
     names, values = state_dict_fingerprint(state_dict)
     checkpoint.fingerprints[STATE_DICT] = names
     if not streamed:
@@ -454,7 +461,7 @@ def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
         if not path.endswith(".safetensors"):
             checkpoint.identities[path], checkpoint.fingerprints[name], read = _pickled_fingerprint(path)
             checkpoint.sampled_bytes += read
-            for key, entry in _open_pickled(path, weights_only).items():
+            for key, entry in _open_pickled(path, weights_only, checkpoint.not_tensors).items():
                 add(key, entry)
             continue
         header, data_start, checkpoint.identities[path], checkpoint.fingerprints[name] = headers[path]

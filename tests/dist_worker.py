@@ -192,7 +192,7 @@ def quantization_config(spec: dict):
 
 def state_dict_call(case: dict, model_class, kwargs: dict):
     """`case["state_dict"]`: {"layout": "checkpoint" | "model" (`checkpoints.state_dict_of`), "drop": [keys],
-    "differs_on_rank": r (one tensor + 1 there), "meta_on_ranks": [r, ...] (meta tensors there), "only_rank": r (the
+    "as_list": [keys] (lists, not tensors), "differs_on_rank": r (one tensor + 1 there), "meta_on_ranks": [r, ...] (meta tensors there), "only_rank": r (the
     others pass none)}; returns the concrete model class (transformers' Auto classes need a folder) and the kwargs."""
     from transformers import AutoConfig
 
@@ -204,6 +204,8 @@ def state_dict_call(case: dict, model_class, kwargs: dict):
     state = state_dict_of(case["path"], spec["layout"], model_class)
     for key in spec.get("drop", []):
         del state[key]
+    for key in spec.get("as_list", []):  # a weight passed as a list of floats
+        state[key] = state[key].tolist()
     if spec.get("differs_on_rank") == rank:
         key = sorted(state)[-1]
         state[key] = state[key] + 1

@@ -117,7 +117,7 @@ def bad(workdir):
         _edit_index(folder, lambda wm: wm.update({k: "../outside.safetensors" for k, v in wm.items() if v == shard}))
         os.remove(os.path.join(folder, shard))
 
-    def pickled(folder, evil=False):
+    def pickled(folder, evil=False, norm_as_list=False):
         from safetensors.torch import load_file
 
         state = load_file(os.path.join(folder, "model.safetensors"))
@@ -125,8 +125,11 @@ def bad(workdir):
         if evil:  # torch.save's own format, so only weights_only stands between it and running code
             torch.save({**state, "model.norm.weight": _Evil(os.path.join(folder, "PWNED"))},
                        os.path.join(folder, "pytorch_model.bin"))
-        else:
-            torch.save(state, os.path.join(folder, "pytorch_model.bin"))
+        elif norm_as_list:  # a weight saved as a list of floats: a plain load fails on it
+            torch.save({**state, "model.norm.weight": state["model.norm.weight"].tolist()},
+                       os.path.join(folder, "pytorch_model.bin"))
+        else:  # with values that are not weights beside the tensors, which transformers skips
+            torch.save({**state, "epoch": 3, "note": "not a weight"}, os.path.join(folder, "pytorch_model.bin"))
 
     def remove_index_weight_map(folder):
         path = os.path.join(folder, "model.safetensors.index.json")
@@ -177,6 +180,7 @@ def bad(workdir):
         "index_outside_folder": _copy(sharded, d("index_escapes"), index_escapes),
         "pickle_weights_only": _copy(single, d("pickle_ok"), pickled),
         "pickle_malicious": _copy(single, d("pickle_evil"), lambda f: pickled(f, evil=True)),
+        "pickle_weight_is_a_list": _copy(single, d("pickle_list"), lambda f: pickled(f, norm_as_list=True)),
     }
 
 
@@ -245,6 +249,10 @@ CASES = {
     "missing_one_gate_proj": ("missing_one_gate_proj", None, {}, None, "CheckpointError",
                               ["1 parameters cannot be converted", "model.layers.1.mlp.experts.gate_up_proj: lacks "
                                "model.layers.1.mlp.experts.3.gate_proj.weight;", "Concatenate(dim=1): shapes differ"]),
+    # a pickle holding a list where the model loads a weight: skipped, it would be initialised at random
+    "pickle_weight_is_a_list": ("pickle_weight_is_a_list", None, {}, None, "CheckpointError",
+                                ["1 weights the model loads are not tensors", "model.norm.weight: a list in "
+                                 "pytorch_model.bin", "a plain load fails on them too"]),
     "missing_a_layers_gate_projs": ("missing_a_layers_gate_projs", None, {}, None, "CheckpointError",
                                     ["1 parameters cannot be converted", "model.layers.1.mlp.experts.gate_up_proj: no "
                                      "checkpoint tensor matches mlp.experts.*.gate_proj.weight;",
@@ -317,6 +325,13 @@ def test_what_the_plain_load_cannot_convert_it_refuses_too(bad):
         for ignore in (False, True):
             with pytest.raises(RuntimeError, match="issues during automatic conversion"):
                 AutoModelForCausalLM.from_pretrained(bad[name], ignore_mismatched_sizes=ignore)
+
+
+def test_a_pickled_weight_that_is_not_a_tensor_fails_the_plain_load_too(bad):
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(TypeError):
+        AutoModelForCausalLM.from_pretrained(bad["pickle_weight_is_a_list"])
 
 
 def test_malicious_pickle_never_runs(outcomes, bad):

@@ -42,6 +42,10 @@ REFUSED = {
     "meta_on_rank_1_read": ({"meta_on_ranks": [1]}, {"load_from": "read"}, "CheckpointError",
                             "load_from='read', but ranks 1 cannot read the checkpoint (its state_dict holds meta "
                             "tensors)"),
+    # a weight passed as a list (a plain load fails on it); other values that are not tensors are skipped
+    "weight_is_a_list": ({"as_list": ["model.norm.weight"]}, {}, "CheckpointError",
+                         "1 weights the model loads are not tensors in the checkpoint (a plain load fails on them "
+                         "too):\n  model.norm.weight: a list in the state_dict"),
     "only_rank_0": ({"only_rank": 0}, {}, "ConfigError",
                     "were not called with the same arguments and DeepSpeed config: state_dict= given differs"),
 }

@@ -277,6 +277,8 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
                 unexpected.add(renamed.replace(converter.target_patterns[0], k))
         else:
             unexpected.add(renamed)
+    used = [c for c in weight_mapping if c.was_used()]
+    _refuse_weights_that_are_not_tensors(checkpoint, renamings, converters, prefix, meta_state)
 
     ctx = {
         "config": model.config,
@@ -311,8 +313,21 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
         _refuse_failed_conversions(failed, meta_state)
     for key, computation in ctx["computed"].items():
         checkpoint.computed[key] = computation.resolve(checkpoint.entries)
-    used = [c for c in weight_mapping if c.was_used()]
     return Resolution(converted, unexpected, mismatched, used, inputs)
+
+
+def _refuse_weights_that_are_not_tensors(checkpoint: Checkpoint, renamings, converters, prefix, meta_state) -> None:
+    """Values of a pickle that are not tensors are skipped, as transformers skips them; but one under a key the model
+    loads (a list saved in a weight's place) fails a plain load, and skipping it would initialise that weight at
+    random. Checked after `used` is taken: renaming these keys marks the mapping's entries as used."""
+    held = []
+    for key, what in sorted(checkpoint.not_tensors.items()):
+        renamed, _ = cml.rename_source_key(key, renamings, converters, prefix, meta_state)
+        if renamed in meta_state or key in meta_state:
+            held.append(f"  {key}: {what}" + (f" (the model's {renamed})" if renamed != key else ""))
+    if held:
+        raise CheckpointError(f"{len(held)} weights the model loads are not tensors in the checkpoint (a plain load "
+                              "fails on them too):\n" + "\n".join(held[:8]) + (" ..." if len(held) > 8 else ""))
 
 
 def _refuse_failed_conversions(failed: list[tuple[str, dict[str, list[str]], str]], meta_state: dict) -> None:
