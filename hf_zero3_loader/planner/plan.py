@@ -317,9 +317,9 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
 
 
 def _refuse_weights_that_are_not_tensors(checkpoint: Checkpoint, renamings, converters, prefix, meta_state) -> None:
-    """Values of a pickle that are not tensors are skipped, as transformers skips them; but one under a key the model
-    loads (a list saved in a weight's place) fails a plain load, and skipping it would initialise that weight at
-    random. Checked after `used` is taken: renaming these keys marks the mapping's entries as used."""
+    """Values of a pickle or state dict that are not tensors are skipped, as transformers skips them; but one under a
+    key the model loads (a list saved in a weight's place) fails a plain load, and skipping it would initialise that
+    weight at random. Checked after `used` is taken: renaming these keys marks the mapping's entries as used."""
     held = []
     for key, what in sorted(checkpoint.not_tensors.items()):
         renamed, _ = cml.rename_source_key(key, renamings, converters, prefix, meta_state)
