@@ -231,3 +231,32 @@ def test_every_way_of_asking_gives_the_same_load(workdir):
             assert r["report"]["expert_parallel"]["ep_size"] == 2, case["name"]
             assert set(r["state"]) == set(ref["state"]), case["name"]
             assert all(torch.equal(r["state"][n], ref["state"][n]) for n in ref["state"]), case["name"]
+
+
+def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdir):
+    """With a layer's attention, the final norm and lm_head missing, the AutoEP layers built on the skeleton do not
+    change what the model's init draws: every rank's tensors equal AutoEP's layout of the seeded plain load."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import rewrite_checkpoint
+
+    def drop(tensors):
+        return {k: v for k, v in tensors.items() if not (k.startswith("model.layers.1.self_attn.")
+                                                          or k in ("model.norm.weight", "lm_head.weight"))}
+
+    cases = [{"name": f"{family}/{dtype}", "path": rewrite_checkpoint(checkpoint(workdir, family), os.path.join(
+                 workdir, f"ep_missing_{family}"), drop), "dtype": dtype, "seed": 11, "ds_config": ep_ds_config(2, dtype),
+              "all_ranks_state": True, "kwargs": {"allow_suspicious_missing_keys": True},
+              "out": os.path.join(workdir, f"ep_missing_{family}_{dtype}.pt")}
+             for family, dtype in (("qwen3_moe", "bfloat16"), ("deepseek_v3", "float32"))]
+    for case, dump in zip(cases, run_torchrun(2, cases, workdir)):
+        torch.manual_seed(11)
+        model = AutoModelForCausalLM.from_pretrained(case["path"], dtype=getattr(torch, case["dtype"]))
+        plain = {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        for r in dump["ranks"]:
+            assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
+            for name, actual in r["state"].items():
+                if name.endswith(".tokens_per_expert"):
+                    continue
+                _, want = expected(name, plain, r["rank"] % 2, 2)
+                assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name} rank {r['rank']}"
