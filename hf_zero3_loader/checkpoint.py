@@ -451,7 +451,8 @@ def open_checkpoint(files: list[str], weights_only: bool = True) -> Checkpoint:
 
     def add(key: str, entry: TensorEntry) -> None:
         if key in entries:
-            raise CheckpointError(f"tensor {key!r} appears in both {entries[key].file} and {entry.file}")
+            raise CheckpointError(f"tensor {key!r} appears in both {entries[key].file} and {entry.file} (a mixed or "
+                                  "partly updated copy? transformers 5.23 would silently take the file it reads last)")
         entries[key] = entry
 
     safetensors_files = list(dict.fromkeys(path for path in files if path.endswith(".safetensors")))

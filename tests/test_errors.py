@@ -144,6 +144,14 @@ def bad(workdir):
         os.remove(shard)
         os.mkdir(shard)
 
+    def tensor_in_two_shards(folder):
+        from safetensors.torch import load_file, save_file
+
+        first, last = _shards(folder)[0], _shards(folder)[-1]
+        tensors = load_file(os.path.join(folder, first))
+        tensors["model.norm.weight"] = load_file(os.path.join(folder, last))["model.norm.weight"] + 1
+        save_file(tensors, os.path.join(folder, first), metadata={"format": "pt"})
+
     def header(name, edit):
         return _copy(single, d(name), lambda f: _rewrite_header(f, edit))
 
@@ -166,6 +174,8 @@ def bad(workdir):
         # fails too; this planner's concatenation once failed on it with an IndexError)
         "missing_a_layers_gate_projs": rewrite_checkpoint(single, d("missing_gate_projs"), lambda t: {
             k: v for k, v in t.items() if not (k.startswith("model.layers.1.mlp.experts.") and ".gate_proj." in k)}),
+        # one shard also holding a tensor another shard holds (a mixed copy): the plain load takes the last file's
+        "tensor_in_two_shards": _copy(sharded, d("tensor_in_two_shards"), tensor_in_two_shards),
         "replaced": _copy(single, d("replaced")),
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
@@ -257,6 +267,9 @@ CASES = {
                                     ["1 parameters cannot be converted", "model.layers.1.mlp.experts.gate_up_proj: no "
                                      "checkpoint tensor matches mlp.experts.*.gate_proj.weight;",
                                      "Concatenate(dim=1): nothing to concatenate"]),
+    "tensor_in_two_shards": ("tensor_in_two_shards", None, {}, None, "CheckpointError",
+                             ["tensor 'model.norm.weight' appears in both", "model-00001-of-", "a mixed or partly "
+                              "updated copy?"]),
     # a shard atomically replaced after the headers were read: detected, never read at the old offsets
     "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
                                 "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
