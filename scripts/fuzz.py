@@ -303,7 +303,6 @@ def run_headers(args, rng) -> list[str]:
 
     from tests.checkpoints import make_checkpoint
     from tests.conftest import run_ranks, run_torchrun
-
     from tests.families import small_config
 
     sources = []
