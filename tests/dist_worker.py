@@ -192,8 +192,9 @@ def quantization_config(spec: dict):
 
 def state_dict_call(case: dict, model_class, kwargs: dict):
     """`case["state_dict"]`: {"layout": "checkpoint" | "model" (`checkpoints.state_dict_of`), "drop": [keys],
-    "as_list": [keys] (lists, not tensors), "differs_on_rank": r (one tensor + 1 there), "meta_on_ranks": [r, ...] (meta tensors there), "only_rank": r (the
-    others pass none)}; returns the concrete model class (transformers' Auto classes need a folder) and the kwargs."""
+    "as_list": [keys] (lists, not tensors), "differs_on_rank": r (one tensor + 1 there), "meta_on_ranks": [r, ...]
+    (meta tensors there), "only_rank": r (the others pass none)}; returns the concrete model class (transformers'
+    Auto classes need a folder) and the kwargs."""
     from transformers import AutoConfig
 
     from tests.checkpoints import state_dict_of
