@@ -425,7 +425,9 @@ def test_legacy_strided_and_shared_storage_pickled_checkpoints_load_bit_exact(wo
                 flat = torch.cat([t.reshape(-1) for t in tensors.values()])
                 offsets = [0, *itertools.accumulate(t.numel() for t in tensors.values())]
                 tensors = {k: flat[o:o + t.numel()].view(t.shape) for (k, t), o in zip(tensors.items(), offsets)}
-            torch.save(tensors, os.path.join(folder, "pytorch_model.bin"), _use_new_zipfile_serialization=not legacy)
+            # with values that are not weights beside the tensors (skipped, as transformers skips them)
+            torch.save({**tensors, "epoch": 3, "note": "not a weight"}, os.path.join(folder, "pytorch_model.bin"),
+                       _use_new_zipfile_serialization=not legacy)
         folders[name] = folder
     cases = [{"name": n, "path": p, "dtype": "float32", "out": os.path.join(workdir, f"bin_{n}.pt")}
              for n, p in folders.items()]
