@@ -36,7 +36,7 @@ def compare_with_plain_loads(cases: list[dict], world_size: int, workdir: str, s
 
 def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | None:
     """Why rank 0's gathered state differs from a plain load of the case's folder through the case's `model_class`
-    (default AutoModelForCausalLM); None when it does not."""
+    (default AutoModelForCausalLM) in the case's `plain_dtype` (default float32); None when it does not."""
     import transformers
 
     got = dump["rank0"]
@@ -45,7 +45,7 @@ def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | N
     if seed is not None:
         torch.manual_seed(seed)
     model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
-    plain = model_class.from_pretrained(case["path"], dtype=torch.float32)
+    plain = model_class.from_pretrained(case["path"], dtype=getattr(torch, case.get("plain_dtype", "float32")))
     reference = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
                                              *plain.named_buffers(remove_duplicate=False)]}
     if set(got["state"]) != set(reference):
