@@ -98,13 +98,13 @@ def differing(got: dict, model) -> list[str]:
             if k not in got or got[k].dtype != w.dtype or not torch.equal(got[k], w.detach())]
 
 
-def plain_failure(path: str) -> str | None:
-    """Why a plain load of `path` fails, or None."""
+def plain_failure(path: str, model_class: str = "AutoModelForCausalLM") -> str | None:
+    """Why a plain load of `path` through `model_class` fails, or None."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     try:
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        getattr(transformers, model_class).from_pretrained(path, dtype=torch.float32)
     except Exception as e:
         return f"{type(e).__name__}: {str(e)[:160]}"
     return None
@@ -147,7 +147,8 @@ def explain(failures: list[str], cases: list[dict]) -> list[str]:
     for f in failures:
         name, _, rest = f.partition(": ")
         case = by_name.get(name)
-        plain = plain_failure(case["path"]) if case and ("Error: " in f) else None
+        plain = plain_failure(case["path"], case.get("model_class", "AutoModelForCausalLM")) if case and (
+            "Error: " in f) else None
         ours = rest.split(": ", 1)[0]
         if plain and (ours in clear or plain.startswith(ours + ":")):
             print(f"  both fail (as upstream): {f[:200]} | plain: {plain}")
@@ -168,11 +169,19 @@ def engine_dtype(args, kwargs: dict | None = None) -> dict:
 def run_configs(args, rng) -> list[str]:
     from tests.test_families import compare_with_plain_loads
 
-    cases = [{"name": name, "path": path, **engine_dtype(args),
+    # another auto class than the checkpoint's (--model-class): a base model drops the head, a task head is new and
+    # initialised, from the same seed on both sides
+    families = args.families
+    if args.model_class != "AutoModelForCausalLM":  # the families that auto class knows
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        known = getattr(transformers, args.model_class)._model_mapping
+        families = [f for f in families or FAMILIES if CONFIG_MAPPING[f] in known]
+    cases = [{"name": name, "path": path, **engine_dtype(args), "model_class": args.model_class, "seed": 11,
               "out": os.path.join(args.workdir, "out", f"configs_{args.seed}_{i}_w{args.world_size}.pt")}
-             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed,
-                                                                 args.families))]
-    return explain(compare_with_plain_loads(cases, args.world_size, args.workdir), cases)
+             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed, families))]
+    return explain(compare_with_plain_loads(cases, args.world_size, args.workdir, seed=11), cases)
 
 
 def run_missing(args, rng) -> list[str]:
@@ -568,6 +577,8 @@ def main() -> int:
                     "dense and MoE ones; any the family sweep builds)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="configs and missing: the engine's dtype, compared with the plain load in it")
+    ap.add_argument("--model-class", default="AutoModelForCausalLM",
+                    help="configs: the auto class loaded (AutoModel, AutoModelForSequenceClassification, ...)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
     args = ap.parse_args()
     os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)
