@@ -4,6 +4,7 @@
     python scripts/fuzz.py missing --seed 1 --world-size 3 --cases 20   # their checkpoints with random keys dropped
     python scripts/fuzz.py configs --dtype bfloat16 ...                  # in a bf16 (or fp16) engine
     python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
+    python scripts/fuzz.py ep --stream ...                               # ... to "nodes" without the files
     python scripts/fuzz.py headers --seed 1 --cases 40                  # headers (or a shard index) mutated
     python scripts/fuzz.py save    --seed 1 --world-size 3 --cases 16   # saves of the `configs` checkpoints
     python scripts/fuzz.py stream  --seed 1 --world-size 2 --cases 8    # them streamed to "nodes" without files
@@ -228,7 +229,7 @@ def run_ep(args, rng) -> list[str]:
     import torch
 
     from tests.checkpoints import EP_FAMILIES, ep_config
-    from tests.conftest import run_torchrun
+    from tests.conftest import run_nodes, run_torchrun
     from tests.test_expert_parallel import ep_ds_config, expected, plain_load
 
     cases = []
@@ -248,11 +249,21 @@ def run_ep(args, rng) -> list[str]:
         dtype = rng.choice([torch.bfloat16, torch.float32])
         path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
                             rng.choice(["10GB", "9KB"]))
-        cases.append({"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
-                      "dtype": "bfloat16", "ds_config": ep_ds_config(ep, "bfloat16"), "all_ranks_state": True,
-                      "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")})
+        case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
+                "dtype": "bfloat16", "ds_config": ep_ds_config(ep, "bfloat16"), "all_ranks_state": True,
+                "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")}
+        if args.stream:  # one rank per "node", only node 0 with the files: the others receive their expert shares
+            chunk = rng.choice([256, 4096, 1 << 20])
+            case.update(name=f"{case['name']} streamed in {chunk} B chunks", kwargs={"stream_chunk_bytes": chunk},
+                        path_by_node={str(n): (path if n == 0 else "/nonexistent/checkpoint")
+                                      for n in range(args.world_size)})
+        cases.append(case)
     failures = []
-    for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
+    dumps = (run_nodes(args.world_size, 1, cases, args.workdir, timeout=900) if args.stream
+             else run_torchrun(args.world_size, cases, args.workdir, timeout=1500))
+    for case, dump in zip(cases, dumps):
+        if args.stream and not any(r.get("report", {}).get("stream", {}).get("bytes_received") for r in dump["ranks"]):
+            failures.append(f"{case['name']}: nothing was streamed")
         plain, covered = plain_load(case["path"], "bfloat16"), set()
         for r in dump["ranks"]:
             if "error" in r:
@@ -577,6 +588,8 @@ def main() -> int:
                     "dense and MoE ones; any the family sweep builds)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="configs and missing: the engine's dtype, compared with the plain load in it")
+    ap.add_argument("--stream", action="store_true",
+                    help="ep: one rank per \"node\", only node 0 with the files (expert shares streamed)")
     ap.add_argument("--model-class", default="AutoModelForCausalLM",
                     help="configs: the auto class loaded (AutoModel, AutoModelForSequenceClassification, ...)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
