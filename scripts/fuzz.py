@@ -167,21 +167,26 @@ def engine_dtype(args, kwargs: dict | None = None) -> dict:
     return {"dtype": args.dtype, "plain_dtype": args.dtype, **({"kwargs": kwargs} if kwargs else {})}
 
 
+def families_for(args) -> list[str] | None:
+    """--families, or the default ones, that the --model-class auto class knows."""
+    if args.model_class == "AutoModelForCausalLM":
+        return args.families
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = getattr(transformers, args.model_class)._model_mapping
+    return [f for f in args.families or FAMILIES if CONFIG_MAPPING[f] in known]
+
+
 def run_configs(args, rng) -> list[str]:
     from tests.test_families import compare_with_plain_loads
 
     # another auto class than the checkpoint's (--model-class): a base model drops the head, a task head is new and
     # initialised, from the same seed on both sides
-    families = args.families
-    if args.model_class != "AutoModelForCausalLM":  # the families that auto class knows
-        import transformers
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        known = getattr(transformers, args.model_class)._model_mapping
-        families = [f for f in families or FAMILIES if CONFIG_MAPPING[f] in known]
     cases = [{"name": name, "path": path, **engine_dtype(args), "model_class": args.model_class, "seed": 11,
               "out": os.path.join(args.workdir, "out", f"configs_{args.seed}_{i}_w{args.world_size}.pt")}
-             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed, families))]
+             for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed,
+                                                                 families_for(args)))]
     return explain(compare_with_plain_loads(cases, args.world_size, args.workdir, seed=11), cases)
 
 
@@ -192,7 +197,7 @@ def run_missing(args, rng) -> list[str]:
     from tests.conftest import run_torchrun
     from tests.test_families import load_failure
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, families_for(args))
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
@@ -207,7 +212,7 @@ def run_missing(args, rng) -> list[str]:
         budget = rng.choice([4096, 65536, None])
         kwargs = {"allow_suspicious_missing_keys": True, **({"missing_init_budget_bytes": budget} if budget else {})}
         cases.append({"name": f"{name} -{fraction:.0%} keys, budget {budget}", "path": dst, "seed": 11,
-                      **engine_dtype(args, kwargs),
+                      **engine_dtype(args, kwargs), "model_class": args.model_class,
                       "out": os.path.join(args.workdir, "out", f"missing_{args.seed}_{i}_w{args.world_size}.pt")})
     failures = []
     for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
@@ -591,7 +596,7 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="ep: one rank per \"node\", only node 0 with the files (expert shares streamed)")
     ap.add_argument("--model-class", default="AutoModelForCausalLM",
-                    help="configs: the auto class loaded (AutoModel, AutoModelForSequenceClassification, ...)")
+                    help="configs, missing: the auto class loaded (AutoModel, AutoModelForSequenceClassification, ...)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
     args = ap.parse_args()
     os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)
