@@ -9,6 +9,9 @@
 # With 15 minutes of device time (one start, one call of <= 10 minutes), one call: "timeout 330 bash
 # scripts/gpu_check.sh run tests; FUZZ_MODES='missing 10,configs 10' FUZZ_TIMEOUT=60 bash scripts/gpu_check.sh run
 # fuzz" (on an H200 the first four tests took ~3 minutes; the sweep and NVMe tests are the long ones), then give it back.
+# Measured on an H200, 2026-11-27: GPU_TESTS=missing_keys alone 38 s; GPU_TESTS='not missing_keys and not nvme' (six
+# tests, the sweep included) inside 260 s; the NVMe test alone did not finish in 170 s on a fresh machine (its first
+# use builds DeepSpeed's async_io op): give it ~5 minutes of its own. OUT=$OUT/a ... keeps each part's logs apart.
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
 # EP, then cold; `run nvme`: NVMe offload), keeping every log in $OUT (out/gpu when run by hand). Update the README's
 # GPU section from them. The image has no libaio either (DeepSpeed's async_io op, NVMe offload): `wheels` copies this
