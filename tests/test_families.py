@@ -45,7 +45,12 @@ def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | N
     if seed is not None:
         torch.manual_seed(seed)
     model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
-    plain = model_class.from_pretrained(case["path"], dtype=getattr(torch, case.get("plain_dtype", "float32")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): LAPACK-based inits (`orthogonal_`'s QR) round
+    try:  # by thread count
+        plain = model_class.from_pretrained(case["path"], dtype=getattr(torch, case.get("plain_dtype", "float32")))
+    finally:
+        torch.set_num_threads(threads)
     reference = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
                                              *plain.named_buffers(remove_duplicate=False)]}
     if set(got["state"]) != set(reference):
