@@ -3,6 +3,7 @@
     python scripts/fuzz.py configs --seed 1 --world-size 3 --cases 24   # random MoE/dense configs, dtypes, shards
     python scripts/fuzz.py missing --seed 1 --world-size 3 --cases 20   # their checkpoints with random keys dropped
     python scripts/fuzz.py configs --dtype bfloat16 ...                  # in a bf16 (or fp16) engine
+    python scripts/fuzz.py configs --model-class AutoModel ...           # as a base model (or a new task head)
     python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
     python scripts/fuzz.py ep --stream ...                               # ... to "nodes" without the files
     python scripts/fuzz.py headers --seed 1 --cases 40                  # headers (or a shard index) mutated

@@ -45,9 +45,10 @@ def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | N
     if seed is not None:
         torch.manual_seed(seed)
     model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
+    # one thread, as the ranks run (OMP_NUM_THREADS=1): LAPACK-based inits (`orthogonal_`'s QR) round by thread count
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): LAPACK-based inits (`orthogonal_`'s QR) round
-    try:  # by thread count
+    torch.set_num_threads(1)
+    try:
         plain = model_class.from_pretrained(case["path"], dtype=getattr(torch, case.get("plain_dtype", "float32")))
     finally:
         torch.set_num_threads(threads)
