@@ -12,6 +12,9 @@
 # Measured on an H200, 2026-11-27: GPU_TESTS=missing_keys alone 38 s; GPU_TESTS='not missing_keys and not nvme' (six
 # tests, the sweep included) inside 260 s; the NVMe test alone did not finish in 170 s on a fresh machine (its first
 # use builds DeepSpeed's async_io op): give it ~5 minutes of its own. OUT=$OUT/a ... keeps each part's logs apart.
+# On an H100, 2026-11-27: GPU_TESTS=nvme alone 88 s on a fresh machine (the op build included), the other 7 tests
+# 158 s, `run bench` 208 s for the warm rows with EP and 117 s for the cold ones (325 s in all): tests and bench fit
+# one start only on a fast machine; in two calls on the warm machine they took 390 + 118 + 165 s of the 900.
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
 # EP, then cold; `run nvme`: NVMe offload), keeping every log in $OUT (out/gpu when run by hand). Update the README's
 # GPU section from them. The image has no libaio either (DeepSpeed's async_io op, NVMe offload): `wheels` copies this
