@@ -116,28 +116,30 @@ HEAD_SWEEP = {
     "AutoModel": (
         "aimv2", "aimv2_vision_model", "altclip", "audioflamingo3_encoder", "blip", "blip_2_qformer", "bros",
         "chinese_clip", "chinese_clip_vision_model", "clip", "clip_text_model", "clip_vision_model", "clipseg", "clvp",
-        "cohere_compass_vision", "cosmos3_edge_vision", "decision_transformer", "deit", "dpr", "dpt",
-        "exaone4_5_vision", "flava", "focalnet", "fun_asr_nano_encoder", "gemma3n_audio", "gemma4_audio",
-        "gemma4_vision", "glm4v_moe_text", "glm4v_moe_vision", "glm4v_text", "glm4v_vision", "glm5_next_vision",
-        "glm_image", "glm_image_text", "glm_image_vision", "glm_image_vqmodel", "glm_ocr_text", "glm_ocr_vision",
-        "glmasr_encoder", "glpn", "granite_docling_text", "granite_docling_vision", "groupvit", "higgs_audio_v2",
+        "cohere_compass_vision", "cosmos3_edge_text", "cosmos3_edge_vision", "decision_transformer", "deit", "dpr",
+        "dpt", "embedding_gemma2", "embedding_gemma2_text", "exaone4_5_vision", "flava", "focalnet",
+        "fun_asr_nano_encoder", "gemma3n_audio", "gemma4_audio", "gemma4_vision", "glm4v_moe_text", "glm4v_moe_vision",
+        "glm4v_text", "glm4v_vision", "glm5_next_text", "glm5_next_vision", "glm_image", "glm_image_text",
+        "glm_image_vision", "glm_image_vqmodel", "glm_ocr_text", "glm_ocr_vision", "glmasr_encoder", "glpn",
+        "granite_docling_text", "granite_docling_vision", "groupvit", "higgs_audio_v2", "hunyuan_vl_text",
         "hunyuan_vl_vision", "idefics3_vision", "internvl_vision", "kimi_k25_vision", "kyutai_speech_to_text",
         "lasr_encoder", "lfm3_vl_vision", "lightglue", "lxmert", "metaclip_2", "minicpm_ocr_vision",
-        "minicpmv4_7_vision", "mlcd", "mlcd_vision_model", "mobilenet_v1", "mobilevit", "mobilevitv2", "molmo2_text",
-        "moss_transcribe_diarize_audio", "muse_glimmer_assistant", "muse_glimmer_text", "muse_glimmer_vision",
-        "muse_spark_vision", "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_word_timestamp",
-        "nemotron3_diarization_audio", "nemotron_asr_streaming_encoder", "openai_privacy_filter", "owlv2", "owlvit",
-        "parakeet_encoder", "patchtsmixer", "patchtst", "pixtral", "pocket_tts_audio_tokenizer_encoder",
-        "pp_ocrv5_mobile_rec", "pp_ocrv6_small_det", "pp_ocrv6_small_rec", "pp_ocrv6_tiny_rec", "pvt_v2",
-        "qianfan_ocr_vision", "qwen2_5_vl_text", "qwen2_5_vl_vision", "qwen2_audio_encoder", "qwen2_vl_text",
-        "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_asr_encoder", "qwen3_vl_moe_text", "qwen3_vl_moe_vision",
-        "qwen3_vl_text", "qwen3_vl_vision", "qwen4_exp_vision", "radio", "sam", "sam3", "sam3_lite_text",
-        "sam3_lite_text_text_model", "sam3_tracker", "sam3_vision_model", "sam3_vit_model", "sam_hq",
-        "sam_hq_vision_model", "sam_vision_model", "segformer", "seggpt", "siglip", "siglip2", "siglip2_vision_model",
-        "siglip_vision_model", "smolvlm_vision", "speecht5", "splinter", "swiftformer", "timesfm", "timesfm2_5",
-        "timesformer", "tipsv2_text_model", "video_llama_3_vision", "videomae", "videoprism",
-        "videoprism_vision_model", "vilt", "vision-text-dual-encoder", "visual_bert", "vit_mae", "vivit",
-        "voxtral_encoder", "voxtral_realtime_encoder", "xclip"),
+        "minicpmv4_7_vision", "mistral_large4_text", "mlcd", "mlcd_vision_model", "mobilenet_v1", "mobilevit",
+        "mobilevitv2", "molmo2_text", "moss_transcribe_diarize_audio", "muse_glimmer_assistant", "muse_glimmer_text",
+        "muse_glimmer_vision", "muse_spark_text", "muse_spark_vision", "nemotron3_5_transcribe_asr_audio",
+        "nemotron3_5_transcribe_word_timestamp", "nemotron3_diarization_audio", "nemotron_asr_streaming_encoder",
+        "openai_privacy_filter", "owlv2", "owlvit", "parakeet_encoder", "patchtsmixer", "patchtst", "pixtral",
+        "pocket_tts_audio_tokenizer_encoder", "pp_ocrv5_mobile_rec", "pp_ocrv6_small_det", "pp_ocrv6_small_rec",
+        "pp_ocrv6_tiny_rec", "pvt_v2", "qianfan_ocr_vision", "qwen2_5_vl_text", "qwen2_5_vl_vision",
+        "qwen2_audio_encoder", "qwen2_vl_text", "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_asr_encoder",
+        "qwen3_vl_moe_text", "qwen3_vl_moe_vision", "qwen3_vl_text", "qwen3_vl_vision", "qwen4_exp_vision", "radio",
+        "sam", "sam3", "sam3_lite_text", "sam3_lite_text_text_model", "sam3_tracker", "sam3_vision_model",
+        "sam3_vit_model", "sam_hq", "sam_hq_vision_model", "sam_vision_model", "segformer", "seggpt", "siglip",
+        "siglip2", "siglip2_vision_model", "siglip_vision_model", "smolvlm_vision", "speecht5", "splinter",
+        "swiftformer", "timesfm", "timesfm2_5", "timesformer", "tipsv2_text_model", "video_llama_3_vision", "videomae",
+        "videoprism", "videoprism_vision_model", "vilt", "vision-text-dual-encoder", "visual_bert", "vit_mae", "vivit",
+        "voxtral_encoder", "voxtral_realtime_encoder", "xclip",
+    ),
     "AutoModelForAudioClassification": (
         "audio-spectrogram-transformer", "wav2vec2-bert", "wav2vec2-conformer", "whisper"),
     "AutoModelForCTC": (
@@ -334,6 +336,18 @@ SAM2_VIDEO_MEMORY = dict(image_size=64, memory_attention_hidden_size=32, memory_
 # them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
 HEAD_SIZES_FOR: dict[str, dict] = {
     # text
+    # text models of vision-language families (MoE among them) that only AutoModel knows: per-layer lists for 2
+    # layers (a dense and a sparse MLP), sizes their validators accept
+    "cosmos3_edge_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e8, "mrope_section": [4, 2, 2]}),
+    "embedding_gemma2": dict(text_config=dict(per_layer_config={"1": {"head_dim": 32, "num_key_value_heads": 1}})),
+    "embedding_gemma2_text": dict(per_layer_config={"1": {"head_dim": 32, "num_key_value_heads": 1}}),
+    "glm5_next_text": dict(num_key_value_heads=2, qk_rope_head_dim=0, qk_head_dim=16, linear_head_dim=16,
+                           index_head_dim=16, index_topk=16, layer_types=["indexed_attention", "linear_attention"],
+                           mlp_layer_types=["dense", "sparse"]),  # no RoPE, heads equal KV heads: its validator
+    "hunyuan_vl_text": dict(head_dim=16),  # None by default (derived), so not shrunk with the rest
+    "mistral_large4_text": dict(mlp_layer_types=["dense", "sparse"]),
+    "muse_spark_text": dict(moe_hidden_size=48, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                            mlp_layer_types=["sparse", "sparse"]),
     "distilbert": dict(dim=32, hidden_dim=48, n_layers=2, n_heads=2),
     "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=32),  # protein LMs: no default vocabulary
     "esmc": dict(num_key_value_heads=2),  # refuses grouped-query attention
