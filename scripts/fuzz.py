@@ -4,6 +4,7 @@
     python scripts/fuzz.py missing --seed 1 --world-size 3 --cases 20   # their checkpoints with random keys dropped
     python scripts/fuzz.py configs --dtype bfloat16 ...                  # in a bf16 (or fp16) engine
     python scripts/fuzz.py configs --model-class AutoModel ...           # as a base model (or a new task head)
+    python scripts/fuzz.py configs --model-class AutoModel --families mistral_large4_text,...  # types only it knows
     python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
     python scripts/fuzz.py ep --stream ...                               # ... to "nodes" without the files
     python scripts/fuzz.py headers --seed 1 --cases 40                  # headers (or a shard index) mutated
@@ -53,23 +54,30 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "minimax", "qwen2_
             "qwen3", "gemma2", "qwen3_next", "longcat_flash", "flex_olmo", "bailing_hybrid", "afmoe")
 
 
-def _save_random(config, path: str, dtype, seed: int, shard: str) -> str:
+def _save_random(config, path: str, dtype, seed: int, shard: str, model_class=None) -> str:
     """The tests' checkpoint maker (random weights perturbed, so that mix-ups show), at a random shard size."""
     from tests.checkpoints import make_checkpoint
 
-    return make_checkpoint(path, config.model_type, dtype=dtype, seed=seed, config=config, max_shard_size=shard)
+    return make_checkpoint(path, config.model_type, dtype=dtype, seed=seed, config=config, max_shard_size=shard,
+                           model_class=model_class)
 
 
-def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, families=None) -> list[tuple[str, str]]:
-    """(name, folder) of `n` random small configs of `families` (default FAMILIES; any of tests/families.SWEEP)."""
+def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, families=None,
+                       model_class: str = "AutoModelForCausalLM") -> list[tuple[str, str]]:
+    """(name, folder) of `n` random small configs of `families` (default FAMILIES; any of tests/families.SWEEP, or
+    of a head sweep's types for `model_class`: those are built small as the head sweep builds them, through it)."""
     import torch
+    import transformers
 
-    from tests.families import small_config
+    from tests.families import SWEEP, small_config, small_head_config
 
     out = []
     for i in range(n):
         family = rng.choice(families or FAMILIES)
-        config = small_config(family)
+        # a causal LM is saved as one and loaded through `model_class` (a base model, a new head); a type no causal
+        # LM class knows (a text model only AutoModel knows, a classifier) is saved through `model_class` itself
+        built_by = None if family in SWEEP else getattr(transformers, model_class)
+        config = small_config(family) if built_by is None else small_head_config(family, model_class)
         sizes = dict(intermediate_size=rng.choice([37, 50, 64]), moe_intermediate_size=rng.choice([13, 22, 29]),
                      num_experts=rng.choice([3, 5, 6]), num_local_experts=rng.choice([3, 5, 6]),
                      n_routed_experts=rng.choice([3, 5, 6]), vocab_size=rng.choice([89, 101, 128]),
@@ -83,9 +91,11 @@ def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, fami
             config.head_dim, config.num_key_value_heads = config.qk_rope_head_dim, config.num_attention_heads
         dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
         shard = rng.choice(["10GB", "30KB", "7KB"])
-        drawn = hashlib.sha1(f"{config.to_json_string()} {dtype} {shard}".encode()).hexdigest()[:8]
+        built = f" {model_class}" if built_by else ""
+        drawn = hashlib.sha1(f"{config.to_json_string()} {dtype} {shard}{built}".encode()).hexdigest()[:8]
         try:  # one folder per drawn checkpoint: reused by any run (mode) that draws it again
-            path = _save_random(config, os.path.join(workdir, "configs", f"{family}_{drawn}"), dtype, i, shard)
+            path = _save_random(config, os.path.join(workdir, "configs", f"{family}_{drawn}"), dtype, i, shard,
+                                built_by)
         except Exception as e:  # a config these sizes do not fit: not a loader case
             print(f"skipped {family}: {type(e).__name__}: {str(e)[:120]}")
             continue
@@ -188,7 +198,7 @@ def run_configs(args, rng) -> list[str]:
     cases = [{"name": name, "path": path, **engine_dtype(args), "model_class": args.model_class, "seed": 11,
               "out": os.path.join(args.workdir, "out", f"configs_{args.seed}_{i}_w{args.world_size}.pt")}
              for i, (name, path) in enumerate(random_checkpoints(args.workdir, rng, args.cases, args.seed,
-                                                                 families_for(args)))]
+                                                                 families_for(args), args.model_class))]
     return explain(compare_with_plain_loads(cases, args.world_size, args.workdir, seed=11), cases)
 
 
@@ -199,7 +209,8 @@ def run_missing(args, rng) -> list[str]:
     from tests.conftest import run_torchrun
     from tests.test_families import LEFT_UNINITIALISED, load_failure
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, families_for(args))
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, families_for(args),
+                                 args.model_class)
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
