@@ -13,6 +13,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# The ranks run with one thread (OMP_NUM_THREADS=1 below), so every in-process plain load a test compares with does
+# too: LAPACK-based inits (`orthogonal_`'s QR, for a missing tensor) round differently by thread count
+torch.set_num_threads(1)
 
 
 def python_path() -> str:
