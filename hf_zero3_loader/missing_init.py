@@ -183,30 +183,43 @@ class StandIns:
     """Partitioned params of the modules being initialised, shown with their logical shape (see `logical_shapes`), in
     host memory whatever device holds their partitions. All stand-ins of one dtype are views of one element holding
     SENTINEL, so `written()` tells, in one comparison per dtype, whether an init has filled any of them (which the
-    expanded view allows, unlike other in-place ops)."""
+    expanded view allows, unlike other in-place ops).
+
+    Except a convolution's weight: torch's `_ConvNd.reset_parameters` (the init of DAC's and XCodec's transposed
+    convolutions) draws into a temporary and copies it over a weight that is not contiguous, where a loaded one, being
+    contiguous, is skipped by the guarded init (nothing drawn). So it stands in as a real contiguous tensor of
+    SENTINEL, held while the step runs and compared whole by `written()`."""
 
     def __init__(self):
         self.swapped: dict[int, tuple] = {}  # id(param) -> (param, its real data)
         self.cells: dict[torch.dtype, torch.Tensor] = {}
+        self.contiguous: dict[int, torch.Tensor] = {}  # id(param) -> its own stand-in (a convolution's weight)
 
-    def swap(self, param) -> None:
+    def swap(self, param, contiguous: bool = False) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if id(param) in self.swapped or getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
             return
+        self.swapped[id(param)] = (param, param.data)
+        if contiguous:
+            self.contiguous[id(param)] = torch.full(param.ds_shape, SENTINEL, dtype=param.dtype)
+        param.data = self.stand_in(param)
+
+    def stand_in(self, param) -> torch.Tensor:
+        if id(param) in self.contiguous:
+            return self.contiguous[id(param)]
         cell = self.cells.get(param.dtype)
         if cell is None:  # on the host, as the missing params being initialised (`on_host`) and the plain load's are:
             # a draw an init places by a param (`torch.empty(n, device=module.A_log.device).uniform_()`) takes the CPU
             # generator there too, and the draws after it stay the plain load's
             cell = self.cells[param.dtype] = torch.full((), SENTINEL, dtype=param.dtype)
-        self.swapped[id(param)] = (param, param.data)
-        param.data = cell.expand(param.ds_shape)
+        return cell.expand(param.ds_shape)
 
     def written(self) -> bool:
         """Whether an init wrote into a stand-in since the last call (and re-arm)."""
         hit = False
-        for cell in self.cells.values():
-            if cell.item() != SENTINEL:
+        for cell in (*self.cells.values(), *self.contiguous.values()):
+            if cell.ne(SENTINEL).any():
                 hit = True
                 cell.fill_(SENTINEL)
         return hit
@@ -218,6 +231,11 @@ class StandIns:
         for param, data in self.swapped.values():
             param.data = data
         self.swapped.clear()
+        self.contiguous.clear()
+
+
+def _is_conv_weight(module, param) -> bool:
+    return isinstance(module, torch.nn.modules.conv._ConvNd) and module._parameters.get("weight") is param
 
 
 @contextmanager
@@ -225,16 +243,16 @@ def logical_shapes(modules):
     """While `_init_weights` runs on these modules, their partitioned (not gathered) params, and their descendants',
     show their logical shape: an init that reads `weight.shape` before its guarded write (RoFormer's sinusoidal
     positions, RWKV) sees what a plain load shows. The stand-in is one element expanded, so a write into it fails
-    loudly (random draws, copies, arithmetic) or is seen by `StandIns.written` (fills)."""
+    loudly (random draws, copies, arithmetic) or is seen by `StandIns.written` (fills); a convolution's weight is a
+    contiguous one (see `StandIns`)."""
     stand_ins = StandIns()
     listed = {id(module) for module, _ in modules}
     for module, _ in modules:
-        for p in module.parameters(recurse=False):
-            stand_ins.swap(p)
-        for child in module.children():  # a subtree initialised in another step (or not at all) is reachable too
-            if id(child) not in listed:
-                for p in child.parameters():
-                    stand_ins.swap(p)
+        subtrees = [m for child in module.children() if id(child) not in listed for m in child.modules()]
+        # a subtree initialised in another step (or not at all) is reachable too
+        for owner in (module, *subtrees):
+            for p in owner.parameters(recurse=False):
+                stand_ins.swap(p, contiguous=_is_conv_weight(owner, p))
     try:
         yield stand_ins
     finally:
@@ -265,7 +283,7 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
         for t in flagged:
             del t._is_hf_initialized
         for p, _ in cells:  # back to the stand-in for the rest of this step
-            p.data = stand_ins.cells[p.dtype].expand(p.ds_shape)
+            p.data = stand_ins.stand_in(p)
     log.debug("missing-key init: %s._init_weights(%s) writes into loaded %s outside the guarded init functions; "
               "replayed as a plain load keeps it", type(owner).__name__, type(module).__name__,
               ", ".join(str(tuple(p.ds_shape)) for p in loaded))

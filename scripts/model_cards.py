@@ -128,7 +128,7 @@ def verification() -> dict:
                      "shieldgemma2": "shieldgemma2", "qwen_renamed": "qwen3_moe", "in_subfolder": "qwen3_moe",
                      "remote_code": "llama", "youtu_padding": "youtu", "metaclip_no_scale": "metaclip_2",
                      "omni_no_talker_experts": "qwen3_omni_moe", "qwen3_vl": "qwen3_vl", "qwen2_vl": "qwen2_vl",
-                     "qwen_bf16": "qwen3_moe"}
+                     "qwen_bf16": "qwen3_moe", "dac_no_conv_bias": "dac", "wav2vec2_no_weight_norm_v": "wav2vec2"}
     for name, (path, *_rest) in test_missing_and_guards.CASES.items():
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")

@@ -114,31 +114,39 @@ NOT_BUILT: dict[str, str] = {
 # series, ...) and of the contrastive models whose other heads drop their `logit_scale`.
 HEAD_SWEEP = {
     "AutoModel": (
-        "aimv2", "aimv2_vision_model", "altclip", "audioflamingo3_encoder", "blip", "blip_2_qformer", "bros",
-        "chinese_clip", "chinese_clip_vision_model", "clip", "clip_text_model", "clip_vision_model", "clipseg", "clvp",
-        "cohere_compass_vision", "cosmos3_edge_text", "cosmos3_edge_vision", "decision_transformer", "deit", "dpr",
-        "dpt", "embedding_gemma2", "embedding_gemma2_text", "exaone4_5_vision", "flava", "focalnet",
+        "aimv2", "aimv2_vision_model", "altclip", "audioflamingo3_encoder", "autoformer", "blip", "blip_2_qformer",
+        "bridgetower", "bros", "chinese_clip", "chinese_clip_vision_model", "clap", "clip", "clip_text_model",
+        "clip_vision_model", "clipseg", "clvp", "cohere_compass_vision", "cosmos3_edge_text", "cosmos3_edge_vision",
+        "dac", "decision_transformer", "deit", "dinov3_convnext", "dinov3_vit", "dpr", "dpt", "embedding_gemma2",
+        "embedding_gemma2_text", "encodec", "exaone4_5_vision", "fastspeech2_conformer", "flava", "focalnet",
         "fun_asr_nano_encoder", "gemma3n_audio", "gemma4_audio", "gemma4_vision", "glm4v_moe_text", "glm4v_moe_vision",
         "glm4v_text", "glm4v_vision", "glm5_next_text", "glm5_next_vision", "glm_image", "glm_image_text",
         "glm_image_vision", "glm_image_vqmodel", "glm_ocr_text", "glm_ocr_vision", "glmasr_encoder", "glpn",
-        "granite_docling_text", "granite_docling_vision", "groupvit", "higgs_audio_v2", "hunyuan_vl_text",
-        "hunyuan_vl_vision", "idefics3_vision", "internvl_vision", "kimi_k25_vision", "kyutai_speech_to_text",
-        "lasr_encoder", "lfm3_vl_vision", "lightglue", "lxmert", "metaclip_2", "minicpm_ocr_vision",
+        "granite_docling_text", "granite_docling_vision", "granite_speech5_encoder", "groupvit", "higgs_audio_v2",
+        "hunyuan_vl_text", "hunyuan_vl_vision", "idefics3_vision", "informer", "inkling2_vision", "internvl_vision",
+        "kimi_k25_vision", "kyutai_speech_to_text", "lasr_encoder", "lfm3_vl_vision", "lightglue", "lxmert",
+        "maskformer-swin", "metaclip_2", "mgp-str", "mimi", "mimi_decoder", "mimi_encoder", "minicpm_ocr_vision",
         "minicpmv4_7_vision", "mistral_large4_text", "mlcd", "mlcd_vision_model", "mobilenet_v1", "mobilevit",
         "mobilevitv2", "molmo2_text", "moss_transcribe_diarize_audio", "muse_glimmer_assistant", "muse_glimmer_text",
-        "muse_glimmer_vision", "muse_spark_text", "muse_spark_vision", "nemotron3_5_transcribe_asr_audio",
-        "nemotron3_5_transcribe_word_timestamp", "nemotron3_diarization_audio", "nemotron_asr_streaming_encoder",
-        "openai_privacy_filter", "owlv2", "owlvit", "parakeet_encoder", "patchtsmixer", "patchtst", "pixtral",
-        "pocket_tts_audio_tokenizer_encoder", "pp_ocrv5_mobile_rec", "pp_ocrv6_small_det", "pp_ocrv6_small_rec",
-        "pp_ocrv6_tiny_rec", "pvt_v2", "qianfan_ocr_vision", "qwen2_5_vl_text", "qwen2_5_vl_vision",
-        "qwen2_audio_encoder", "qwen2_vl_text", "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_asr_encoder",
-        "qwen3_vl_moe_text", "qwen3_vl_moe_vision", "qwen3_vl_text", "qwen3_vl_vision", "qwen4_exp_vision", "radio",
-        "sam", "sam3", "sam3_lite_text", "sam3_lite_text_text_model", "sam3_tracker", "sam3_vision_model",
-        "sam3_vit_model", "sam_hq", "sam_hq_vision_model", "sam_vision_model", "segformer", "seggpt", "siglip",
-        "siglip2", "siglip2_vision_model", "siglip_vision_model", "smolvlm_vision", "speecht5", "splinter",
-        "swiftformer", "timesfm", "timesfm2_5", "timesformer", "tipsv2_text_model", "video_llama_3_vision", "videomae",
-        "videoprism", "videoprism_vision_model", "vilt", "vision-text-dual-encoder", "visual_bert", "vit_mae", "vivit",
-        "voxtral_encoder", "voxtral_realtime_encoder", "xclip",
+        "muse_glimmer_vision", "muse_spark_audio", "muse_spark_text", "muse_spark_vision", "nemotron3_5_asr",
+        "nemotron3_5_transcribe_asr_audio", "nemotron3_5_transcribe_audio", "nemotron3_5_transcribe_word_timestamp",
+        "nemotron3_diarization", "nemotron3_diarization_audio", "nemotron_asr_streaming",
+        "nemotron_asr_streaming_encoder", "neucodec", "openai_privacy_filter", "owlv2", "owlvit", "parakeet_encoder",
+        "parakeet_rnnt", "parakeet_tdt", "patchtsmixer", "patchtst", "pe_audio", "pe_audio_encoder", "pixio", "pixtral",
+        "pocket_tts_audio_tokenizer", "pocket_tts_audio_tokenizer_decoder", "pocket_tts_audio_tokenizer_encoder",
+        "pp_ocrv5_mobile_rec", "pp_ocrv5_server_rec", "pp_ocrv6_small_det", "pp_ocrv6_small_rec", "pp_ocrv6_tiny_rec",
+        "pvt_v2", "qianfan_ocr_vision", "qwen2_5_vl_text", "qwen2_5_vl_vision", "qwen2_audio_encoder", "qwen2_vl_text",
+        "qwen3_5_moe_vision", "qwen3_5_vision", "qwen3_asr_encoder", "qwen3_vl_moe_text", "qwen3_vl_moe_vision",
+        "qwen3_vl_text", "qwen3_vl_vision", "qwen4_exp_vision", "radio", "sam", "sam2_hiera_det_model",
+        "sam2_vision_model", "sam3", "sam3_lite_text", "sam3_lite_text_text_model", "sam3_tracker",
+        "sam3_tracker_video", "sam3_vision_model", "sam3_vit_model", "sam_hq", "sam_hq_vision_model",
+        "sam_vision_model", "segformer", "seggpt", "siglip", "siglip2", "siglip2_vision_model", "siglip_vision_model",
+        "smolvlm_vision", "speecht5", "splinter", "swiftformer", "t5gemma2_encoder", "time_series_transformer",
+        "timesfm", "timesfm2_5", "timesformer", "tipsv2_text_model", "tipsv2_vision_model", "tvp", "univnet", "uvdoc",
+        "vibevoice_acoustic_tokenizer", "vibevoice_acoustic_tokenizer_decoder", "vibevoice_acoustic_tokenizer_encoder",
+        "video_llama_3_vision", "videomae", "videoprism", "videoprism_vision_model", "vilt", "vision-text-dual-encoder",
+        "visual_bert", "vit_mae", "vitdet", "vivit", "voxtral_encoder", "voxtral_realtime_encoder", "xclip", "xcodec",
+        "xcodec2",
     ),
     "AutoModelForAudioClassification": (
         "audio-spectrogram-transformer", "wav2vec2-bert", "wav2vec2-conformer", "whisper"),
@@ -334,6 +342,28 @@ SAM2_VIDEO_MEMORY = dict(image_size=64, memory_attention_hidden_size=32, memory_
 # head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
 # names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
 # them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
+# DAC codec: 2 strides of 2 (encoder channels double per stride: 8 -> 32 = hidden), 2 codebooks of 16
+DAC_SMALL = dict(encoder_hidden_size=8, downsampling_ratios=[2, 2], decoder_hidden_size=32, upsampling_ratios=[2, 2],
+                 n_codebooks=2, codebook_size=16, codebook_dim=8, hop_length=4)
+# Mimi codec (the one in csm's codec_config): its upsample conv is grouped by upsample_groups, which must divide
+# the (shrunk) hidden size
+MIMI_SMALL = dict(num_filters=8, upsampling_ratios=[2, 2], codebook_size=16, codebook_dim=8, num_quantizers=4,
+                  vector_quantization_hidden_dimension=8, upsample_groups=16, sliding_window=16)
+# RNN-T / TDT speech recognisers: a small prediction network and subsampling convs; the encoders' attention keeps as
+# many KV heads as query heads (as nemo_speechlm's: transformers' save fuses q/k/v and splits them back in thirds)
+RNNT_SMALL = dict(decoder_hidden_size=32, encoder_config=dict(subsampling_conv_channels=16, num_mel_bins=16,
+                                                              num_key_value_heads=2))
+# time-series transformers: no default horizon (their validator needs one)
+TIME_SERIES = dict(prediction_length=8, context_length=8)
+# wav2vec2-BERT semantic encoder of XCodec2 / NeuCodec
+W2V_BERT_SMALL = dict(feature_projection_input_dim=16, output_hidden_size=32, classifier_proj_size=16,
+                      conv_depthwise_kernel_size=7, tdnn_dim=[16, 16], tdnn_kernel=[3, 1], tdnn_dilation=[1, 1],
+                      xvector_output_dim=16)
+# the quantizer projects hidden + semantic hidden (32 + 32) to FSQ levels
+XCODEC2_SMALL = dict(encoder_hidden_size=8, downsampling_ratios=[2, 2], quantization_dim=64,
+                     quantization_levels=[4, 4, 4, 4], semantic_model_config=W2V_BERT_SMALL)
+# Nemotron diarization: its head reads the audio tower's hidden size
+DIARIZATION = dict(head_config=dict(audio_hidden_size=32), audio_config=dict(num_key_value_heads=2, num_mel_bins=16))
 HEAD_SIZES_FOR: dict[str, dict] = {
     # text
     # text models of vision-language families (MoE among them) that only AutoModel knows: per-layer lists for 2
@@ -678,6 +708,105 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                      neck_hidden_sizes=[8, 16, 24, 32], fusion_hidden_size=16, bottleneck_features=16,
                      num_relative_features=8, bin_embedding_dim=16, num_attractors=[4, 2, 2, 1],
                      bin_configurations=[{"n_bins": 8, "min_depth": 0.001, "max_depth": 10.0}]),
+    # the bare models (AutoModel) of types no other head sweeps: codecs, vocoders, speech and vision towers, time series
+    # audio-text contrastive: a 2-stage HTS-AT (Swin) audio tower over a small spectrogram
+    "clap": dict(audio_config=dict(depths=[1, 1], num_attention_heads=[1, 2], patch_embeds_hidden_size=16,
+                                   spec_size=32, num_mel_bins=16, num_classes=8, window_size=2)),
+    # a DAC codec (its transposed convolutions' init is torch's reset_parameters)
+    "dac": DAC_SMALL,
+    # vision backbone: 2 stages of 1 block
+    "dinov3_convnext": dict(hidden_sizes=[16, 32], depths=[1, 1], **NEW_STAGES),
+    # audio codecs: the ones musicgen / bark / csm already use
+    "encodec": ENCODEC_SMALL,
+    "mimi_encoder": MIMI_SMALL,
+    "mimi": MIMI_SMALL,
+    "mimi_decoder": MIMI_SMALL,
+    "pocket_tts_audio_tokenizer": dict(num_filters=8, upsampling_ratios=[2, 2], upsample_groups=16,
+                                       sliding_window=16),  # a Mimi-style codec: groups must divide hidden
+    "pocket_tts_audio_tokenizer_decoder": dict(num_filters=8, upsampling_ratios=[2, 2], upsample_groups=16,
+                                               sliding_window=16),
+    # text-to-speech: the fastspeech2_conformer_with_hifigan model_config (conformer sizes in derived dicts)
+    "fastspeech2_conformer": dict(num_mel_bins=16, encoder_linear_units=48, decoder_linear_units=48,
+                                  decoder_kernel_size=7, speech_decoder_postnet_layers=2,
+                                  speech_decoder_postnet_units=16, duration_predictor_channels=16,
+                                  energy_predictor_channels=16, pitch_predictor_layers=2, pitch_predictor_channels=16,
+                                  max_source_positions=64, encoder_config=CONFORMER_SMALL,
+                                  decoder_config=CONFORMER_SMALL),
+    # vision tower with its projector into the (small) text hidden size, as in inkling2
+    "inkling2_vision": dict(text_hidden_size=32, projection_hidden_dim=48, posemb_grid_size=4),
+    # speech recognisers (RNN-T, TDT): prompt table small too
+    "nemotron3_5_asr": dict(RNNT_SMALL, num_prompts=8, prompt_intermediate_size=48, default_prompt_id=3),
+    "nemotron_asr_streaming": RNNT_SMALL,
+    "parakeet_rnnt": RNNT_SMALL,
+    "parakeet_tdt": RNNT_SMALL,
+    # audio encoders over a DAC codec
+    "pe_audio": dict(audio_config=dict(dac_config=DAC_SMALL)),
+    "pe_audio_encoder": dict(dac_config=DAC_SMALL),
+    # SAM2's Hiera image tower (and its FPN neck), as in sam2
+    "sam2_hiera_det_model": SAM2_SIZES["vision_config"]["backbone_config"],
+    "sam2_vision_model": SAM2_SIZES["vision_config"],
+    # vocoder: 2 small LVC blocks, a 1-block kernel predictor
+    "univnet": dict(model_in_channels=16, model_hidden_channels=16, num_mel_bins=16, resblock_kernel_sizes=[3, 3],
+                    resblock_stride_sizes=[2, 2], resblock_dilation_sizes=[[1, 3], [1, 3]],
+                    kernel_predictor_num_blocks=1, kernel_predictor_hidden_channels=16),
+    # the VibeVoice acoustic tokenizer vibevoice / vibevoice_asr already use
+    "vibevoice_acoustic_tokenizer": VIBEVOICE_ENCODER,
+    "vibevoice_acoustic_tokenizer_decoder": VIBEVOICE_ENCODER,
+    "vibevoice_acoustic_tokenizer_encoder": VIBEVOICE_ENCODER,
+    "autoformer": TIME_SERIES,
+    "informer": TIME_SERIES,
+    "time_series_transformer": TIME_SERIES,
+    # ViT backbones: stages rebuilt from 2 layers
+    "dinov3_vit": NEW_STAGES,
+    "pixio": NEW_STAGES,
+    "tipsv2_vision_model": NEW_STAGES,
+    "vitdet": NEW_STAGES,
+    # heads per stage must be a list
+    "maskformer-swin": dict(embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=2, patch_size=4, **NEW_STAGES),
+    # image_size must be [height, width]; BPE and WordPiece heads over a small vocabulary
+    "mgp-str": dict(image_size=[32, 32], num_bpe_labels=97, num_wordpiece_labels=97, max_token_length=8),
+    "granite_speech5_encoder": dict(context_size=16, num_mel_bins=16),  # attention blocks of context_size frames
+    "muse_spark_audio": dict(patch_sizes=[16, 6], hidden_sizes=[16, 32], depths=[1, 1]),  # as in muse_spark
+    # the text encoder reads dropout_rate, which only the encoder-decoder config sets on it; image tokens in vocab
+    "t5gemma2_encoder": dict(text_config=dict(dropout_rate=0.0), mm_tokens_per_image=16, boi_token_index=3,
+                             eoi_token_index=4, image_token_index=5),
+    # its CLIP-style vision tower takes hidden_size // 64 attention heads
+    "bridgetower": dict(vision_config=dict(hidden_size=64)),
+    "neucodec": XCODEC2_SMALL,
+    "xcodec2": XCODEC2_SMALL,
+    # a DAC acoustic model and a wav2vec2-style semantic one
+    "xcodec": dict(codebook_size=16, codebook_dim=16, acoustic_model_config=DAC_SMALL,
+                   semantic_model_config=dict(conv_dim=[16, 16], conv_stride=[5, 2], conv_kernel=[10, 3],
+                                              num_feat_extract_layers=2, num_conv_pos_embeddings=16,
+                                              num_conv_pos_embedding_groups=2, classifier_proj_size=16)),
+    # document unwarping: 2 ResNet stages, 2 bridge blocks (the connector takes one input per bridge)
+    "uvdoc": dict(kernel_size=3, bridge_connector=[16, 16], out_point_positions2D=[[16, 8], [8, 2]],
+                  backbone_config=dict(resnet_head=[[3, 8], [8, 8]],
+                                       resnet_configs=[[[8, 8, 1, False]], [[8, 16, 1, True]]],
+                                       stage_configs=[[[16, 1]], [[16, 2]]], kernel_size=3,
+                                       stage_names=["stem", "stage1", "stage2"], out_features=["stage2"],
+                                       out_indices=[2])),
+    # text recogniser: D-FINE's small HGNetV2 with the recogniser's own (anisotropic) strides, a 97-way CTC head
+    "pp_ocrv5_server_rec": dict(head_out_channels=97,
+                                backbone_config=dict(D_FINE_SIZES["backbone_config"], stage_downsample=[True] * 4,
+                                                     stem_strides=[2, 1, 1, 1, 1],
+                                                     stage_downsample_strides=[[2, 1], [1, 2], [2, 1], [2, 1]],
+                                                     out_features=["stage1", "stage2", "stage3", "stage4"])),
+    # SAM3 tracker: sam2_video's memory sizes on a 32-pixel image (4x4 tokens: FPN 16/8/4, mask stride 8)
+    "sam3_tracker_video": dict(SAM2_VIDEO_MEMORY, image_size=32, memory_attention_rope_feat_sizes=[4, 4],
+                               mask_downsampler_total_stride=8, memory_attention_feed_forward_hidden_size=48,
+                               vision_config=dict(fpn_hidden_size=32,
+                                                  backbone_feature_sizes=[[16, 16], [8, 8], [4, 4]],
+                                                  backbone_config=dict(window_size=2, global_attn_indexes=[1],
+                                                                       pretrain_image_size=32)),
+                               mask_decoder_config=dict(mlp_dim=48, iou_head_hidden_dim=16)),
+    # video grounding: a 2-stage ResNet, a small frame-padding visual prompt
+    "tvp": dict(backbone_config={**RESNET_BACKBONE, "out_features": ["stage2"]}, visual_prompt_size=4,
+                max_img_size=32, num_frames=4, max_grid_col_position_embeddings=8,
+                max_grid_row_position_embeddings=8),
+    "nemotron3_diarization": DIARIZATION,
+    "nemotron3_5_transcribe_audio": dict(asr_config=dict(num_key_value_heads=2, num_mel_bins=16),
+                                         diarization_config=DIARIZATION),
 }
 
 

@@ -77,10 +77,29 @@ def paths(workdir):
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
         "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
         "omni_no_talker_experts": omni_without_talker_experts(workdir),
+        # a weight-norm conv's direction (`original1`) missing: transformers 5.23's init writes the computed `weight`,
+        # never its parametrization's originals
+        # a transposed convolution's bias missing beside its loaded weight: DAC's init is torch's reset_parameters,
+        # which branches on whether the weight is contiguous
+        "dac_no_conv_bias": rewrite_checkpoint(head_checkpoint(workdir, "AutoModel", "dac"), d("dac_no_conv_bias"),
+                                               _without_a_conv_bias),
+        "wav2vec2_no_weight_norm_v": rewrite_checkpoint(head_checkpoint(workdir, "AutoModelForCTC", "wav2vec2"),
+                                                        d("wav2vec2_no_weight_norm_v"), _without_weight_norm_v),
         # `fusion_config={"patch_embeddings": True}` (transformers 5.23): Conv3d patch embeddings become Linear layers
         "qwen3_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen3_vl"),
         "qwen2_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen2_vl"),
     }
+
+
+WEIGHT_NORM_V = re.compile(r"\.pos_conv_embed\.conv\.parametrizations\.weight\.original1$")
+
+
+def _without_weight_norm_v(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if not WEIGHT_NORM_V.search(k)}
+
+
+def _without_a_conv_bias(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if k != "decoder.block.0.conv_t1.bias"}
 
 
 def _without_logit_scale(tensors: dict) -> dict:
@@ -128,9 +147,13 @@ CASES = {
     "init_writes_loaded_param": ("mamba_rescale", "AutoModelForCausalLM", "float32", {}, 0),
     "prefix_not_mapped": ("shieldgemma2", "AutoModelForImageTextToText", "float32", {}, 0),
     "scalar_param_missing": ("metaclip_no_scale", "AutoModel", "float32", {"missing_init_budget_bytes": BUDGET}, 0),
+    "conv_init_beside_loaded_weight": ("dac_no_conv_bias", "AutoModel", "float32",
+                                       {"missing_init_budget_bytes": BUDGET}, 0),
     "init_leaves_missing_unwritten": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32", {}, 0),
     "init_leaves_missing_unwritten_chunked": ("omni_no_talker_experts", "AutoModelForTextToWaveform", "float32",
                                               {"missing_init_budget_bytes": BUDGET}, 0),
+    "init_leaves_weight_norm_unwritten": ("wav2vec2_no_weight_norm_v", "AutoModelForCTC", "float32",
+                                          {"missing_init_budget_bytes": BUDGET}, 0),
     # `dtype="auto"` (the checkpoint's dtype, here the engine's) and its older spelling
     "dtype_auto": ("qwen_bf16", "AutoModelForCausalLM", "bfloat16", {"dtype": "auto"}, 0),
     "torch_dtype_auto": ("qwen_bf16", "AutoModelForCausalLM", "bfloat16", {"torch_dtype": "auto"}, 0),
@@ -183,7 +206,7 @@ def assert_equal_to_plain(name, dump, path):
 @pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
                                   "key_mapping", "subfolder", "trust_remote_code", "init_zeroes_loaded_padding_row",
                                   "qwen3_vl_moe_transposed", "broken_conversion_opt_out", "scalar_param_missing",
-                                  "fusion_config", "dtype_auto", "torch_dtype_auto"])
+                                  "fusion_config", "dtype_auto", "torch_dtype_auto", "conv_init_beside_loaded_weight"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
 
@@ -200,16 +223,18 @@ def test_missing_experts_initialised_in_bounded_chunks(results, paths):
         assert peak < sum(state[k].numel() * state[k].element_size() for k in missing)
 
 
-@pytest.mark.parametrize("name", ["init_leaves_missing_unwritten", "init_leaves_missing_unwritten_chunked"])
-def test_missing_params_the_init_never_writes_are_zeros_and_named(results, paths, name):
+@pytest.mark.parametrize("name, unwritten", [("init_leaves_missing_unwritten", TALKER_EXPERTS),
+                                             ("init_leaves_missing_unwritten_chunked", TALKER_EXPERTS),
+                                             ("init_leaves_weight_norm_unwritten", WEIGHT_NORM_V)])
+def test_missing_params_the_init_never_writes_are_zeros_and_named(results, paths, name, unwritten):
     """A plain load leaves `torch.empty` memory in a missing param its model's init never writes (garbage, NaN at
     times); no sharded load can reproduce that, so ours holds zeros and every rank's report names the params."""
     dump = results[name]
     got = dump["rank0"]
     assert "error" not in got, got.get("error", {}).get("traceback")
-    state, info, _ = plain(name, paths["omni_no_talker_experts"])
-    left = sorted(k for k in state if TALKER_EXPERTS.match(k))
-    assert left, "the checkpoint should lack the talker's experts"
+    state, info, _ = plain(name, paths[CASES[name][0]])
+    left = sorted(k for k in state if unwritten.search(k))
+    assert left, "the checkpoint should lack them"
     for r in dump["ranks"]:
         assert sorted(r["report"]["missing_left_by_init"]) == left, f"rank {r['rank']}"
     assert set(got["state"]) == set(state)
