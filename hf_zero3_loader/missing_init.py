@@ -80,7 +80,9 @@ def _init_touches(module, owner) -> InitTouches | None:
     recorded: list = []
     devices = _rng_devices()
     try:
-        with torch.random.fork_rng(devices=devices), logical_shapes([(m, owner) for m in module.modules()]):
+        subtree = [(m, owner) for m in module.modules()]
+        with torch.random.fork_rng(devices=devices), logical_shapes(subtree) as stand_ins, \
+                stand_ins.contiguous_weight(module):
             before = _rng_states(devices)
             with hf_private.recording_init_functions(recorded.append):
                 owner._init_weights(module)
@@ -185,35 +187,46 @@ class StandIns:
     SENTINEL, so `written()` tells, in one comparison per dtype, whether an init has filled any of them (which the
     expanded view allows, unlike other in-place ops).
 
-    Except a convolution's weight: torch's `_ConvNd.reset_parameters` (the init of DAC's and XCodec's transposed
-    convolutions) draws into a temporary and copies it over a weight that is not contiguous, where a loaded one, being
-    contiguous, is skipped by the guarded init (nothing drawn). So it stands in as a real contiguous tensor of
-    SENTINEL, held while the step runs and compared whole by `written()`."""
+    Except a convolution's weight while the convolution's own init runs (`contiguous_weight`): torch's
+    `_ConvNd.reset_parameters` (DAC's and X-Codec's init of their transposed convolutions) draws into a temporary and
+    copies it over a weight that is not contiguous, where a loaded one, being contiguous, is skipped by the guarded
+    init function (nothing drawn). There it stands in as a real contiguous tensor of SENTINEL, one at a time."""
 
     def __init__(self):
         self.swapped: dict[int, tuple] = {}  # id(param) -> (param, its real data)
         self.cells: dict[torch.dtype, torch.Tensor] = {}
-        self.contiguous: dict[int, torch.Tensor] = {}  # id(param) -> its own stand-in (a convolution's weight)
+        self.contiguous: dict[int, torch.Tensor] = {}  # id(param) -> its own stand-in, while its module's init runs
 
-    def swap(self, param, contiguous: bool = False) -> None:
+    def swap(self, param) -> None:
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if id(param) in self.swapped or getattr(param, "ds_status", None) != ZeroParamStatus.NOT_AVAILABLE:
             return
         self.swapped[id(param)] = (param, param.data)
-        if contiguous:
-            self.contiguous[id(param)] = torch.full(param.ds_shape, SENTINEL, dtype=param.dtype)
         param.data = self.stand_in(param)
 
     def stand_in(self, param) -> torch.Tensor:
-        if id(param) in self.contiguous:
-            return self.contiguous[id(param)]
         cell = self.cells.get(param.dtype)
         if cell is None:  # on the host, as the missing params being initialised (`on_host`) and the plain load's are:
             # a draw an init places by a param (`torch.empty(n, device=module.A_log.device).uniform_()`) takes the CPU
             # generator there too, and the draws after it stay the plain load's
             cell = self.cells[param.dtype] = torch.full((), SENTINEL, dtype=param.dtype)
         return cell.expand(param.ds_shape)
+
+    @contextmanager
+    def contiguous_weight(self, module):
+        """While `module`'s own init runs (and `written` checks it): a convolution's loaded weight as a contiguous
+        tensor of SENTINEL."""
+        param = module._parameters.get("weight") if isinstance(module, torch.nn.modules.conv._ConvNd) else None
+        if param is None or id(param) not in self.swapped:
+            yield
+            return
+        param.data = self.contiguous[id(param)] = torch.full(param.ds_shape, SENTINEL, dtype=param.dtype)
+        try:
+            yield
+        finally:
+            del self.contiguous[id(param)]
+            param.data = self.stand_in(param)
 
     def written(self) -> bool:
         """Whether an init wrote into a stand-in since the last call (and re-arm)."""
@@ -231,11 +244,6 @@ class StandIns:
         for param, data in self.swapped.values():
             param.data = data
         self.swapped.clear()
-        self.contiguous.clear()
-
-
-def _is_conv_weight(module, param) -> bool:
-    return isinstance(module, torch.nn.modules.conv._ConvNd) and module._parameters.get("weight") is param
 
 
 @contextmanager
@@ -243,16 +251,17 @@ def logical_shapes(modules):
     """While `_init_weights` runs on these modules, their partitioned (not gathered) params, and their descendants',
     show their logical shape: an init that reads `weight.shape` before its guarded write (RoFormer's sinusoidal
     positions, RWKV) sees what a plain load shows. The stand-in is one element expanded, so a write into it fails
-    loudly (random draws, copies, arithmetic) or is seen by `StandIns.written` (fills); a convolution's weight is a
-    contiguous one (see `StandIns`)."""
+    loudly (random draws, copies, arithmetic) or is seen by `StandIns.written` (fills); for a convolution's own init,
+    see `StandIns.contiguous_weight`."""
     stand_ins = StandIns()
     listed = {id(module) for module, _ in modules}
     for module, _ in modules:
-        subtrees = [m for child in module.children() if id(child) not in listed for m in child.modules()]
-        # a subtree initialised in another step (or not at all) is reachable too
-        for owner in (module, *subtrees):
-            for p in owner.parameters(recurse=False):
-                stand_ins.swap(p, contiguous=_is_conv_weight(owner, p))
+        for p in module.parameters(recurse=False):
+            stand_ins.swap(p)
+        for child in module.children():  # a subtree initialised in another step (or not at all) is reachable too
+            if id(child) not in listed:
+                for p in child.parameters():
+                    stand_ins.swap(p)
     try:
         yield stand_ins
     finally:
@@ -394,18 +403,20 @@ def _run_init_step(model, modules, alone, stand_ins, stats: InitStats, is_custom
         for p in others:
             p._is_hf_initialized = True
         try:
-            with _explained_in_place_writes(model, module, owner):
+            with _explained_in_place_writes(model, module, owner), stand_ins.contiguous_weight(module):
                 owner._init_weights(module)
+                written = stand_ins.written()
         finally:
             for p in others:
                 del p._is_hf_initialized
-        if stand_ins.written():
+        if written:
             _replay_writes_into_loaded(module, owner, stand_ins, stats)
         return
     for module, owner in modules:
-        with _explained_in_place_writes(model, module, owner):
+        with _explained_in_place_writes(model, module, owner), stand_ins.contiguous_weight(module):
             owner._initialize_weights(module, is_custom_code)
-        if stand_ins.written():
+            written = stand_ins.written()
+        if written:
             _replay_writes_into_loaded(module, owner, stand_ins, stats)
 
 
