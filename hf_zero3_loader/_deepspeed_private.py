@@ -289,6 +289,15 @@ def autoep_presets() -> dict[str, tuple[str, ...]]:
     return {name: tuple(preset.hf_model_types) for name, preset in PRESET_MODELS.items()}
 
 
+def autoep_note_for(model_type: str) -> str | None:
+    """DeepSpeed's own advice for a model type AutoEP knows but has no preset for (a vision-language wrapper whose
+    text backbone has one), or None."""
+    from deepspeed.module_inject.auto_ep_presets.registry import unsupported_preset_for_hf_model_type
+
+    found = unsupported_preset_for_hf_model_type(model_type)
+    return found[1].unsupported_hf_model_type_notes[model_type] if found else None
+
+
 def parse_autoep_section(section: dict):
     """The `expert_parallel` config section as DeepSpeed parses it (an `AutoEPConfig`)."""
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config

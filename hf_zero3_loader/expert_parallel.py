@@ -153,10 +153,11 @@ class ExpertParallelLayout:
         model_type = getattr(model.config, "model_type", None)
         families = supported_model_types()
         if model_type not in families:
+            note = ds_private.autoep_note_for(model_type)  # e.g. a vision-language model: its text backbone has one
             raise ConfigError(
                 f"expert parallelism under ZeRO-3 needs a DeepSpeed AutoEP preset for the model; model type "
                 f"{model_type!r} has none (deepspeed {ds_private.DEEPSPEED_VERSION_WRITTEN_AGAINST} presets cover: "
-                f"{', '.join(sorted(families))})")
+                f"{', '.join(sorted(families))})" + (f". DeepSpeed: {note}" if note else ""))
         autoep_config = ds_private.parse_autoep_section(request.autoep_section)
         try:
             specs = ds_private.detect_moe_layers(model, autoep_config)

@@ -16,6 +16,7 @@ import torch
 from tests.checkpoints import make_checkpoint, rewrite_checkpoint
 from tests.conftest import run_ranks, run_torchrun
 from tests.dist_worker import ds_config_for
+from tests.families import head_checkpoint
 
 OFFLOADED = ds_config_for("float32")
 OFFLOADED = {**OFFLOADED, "zero_optimization": {**OFFLOADED["zero_optimization"], "offload_param": {"device": "cpu"}}}
@@ -179,6 +180,7 @@ def bad(workdir):
         "replaced": _copy(single, d("replaced")),
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
+        "qwen3_5_moe_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen3_5_moe"),
         "no_experts": rewrite_checkpoint(single, d("no_experts"), lambda t: {
             k: v for k, v in t.items() if ".experts." not in k}),
         "missing_shard": _copy(sharded, d("missing_shard"), lambda f: os.remove(os.path.join(f, _shards(f)[1]))),
@@ -225,6 +227,9 @@ CASES = {
                                 "ConfigError", ["autoep_size=3", "does not divide", "world size 2"]),
     "ep_family_without_autoep_preset": ("llama", None, {"ep_size": 2}, None, "ConfigError",
                                         ["AutoEP preset", "'llama' has none", "qwen3_moe"]),
+    # a vision-language wrapper: AutoEP's preset is for its text backbone (which AutoModelForCausalLM loads)
+    "ep_vision_language_wrapper": ("qwen3_5_moe_vl", None, {"ep_size": 2}, None, "ConfigError",
+                                   ["AutoEP preset", "'qwen3_5_moe' has none", "DeepSpeed:", "qwen3_5_moe_text"]),
     "ep_experts_not_divisible": ("good", None, {"ep_size": 2}, None, "ConfigError",
                                  ["has 5 experts", "ep_size=2 does not divide", "[1, 5]"]),
     "ep_sizes_conflict": ("good", _stage3(expert_parallel={"enabled": True, "autoep_size": 2}), {"ep_size": 1}, None,
@@ -297,12 +302,16 @@ CASES = {
 }
 
 
+MODEL_CLASS = {"ep_vision_language_wrapper": "AutoModelForImageTextToText"}  # the others: AutoModelForCausalLM
+
+
 @pytest.fixture(scope="module")
 def outcomes(bad, workdir):
     cases = []
     for name, (ckpt, ds_config, kwargs, inject, _, _) in CASES.items():
         case = {"name": name, "path": bad[ckpt], "dtype": "float32", "ds_config": ds_config, "kwargs": kwargs,
-                "inject": inject, "out": os.path.join(workdir, f"err_{name}.pt")}
+                "inject": inject, "out": os.path.join(workdir, f"err_{name}.pt"),
+                "model_class": MODEL_CLASS.get(name, "AutoModelForCausalLM")}
         if ds_config and "by_rank" in ds_config:
             case.update(ds_config=None, ds_config_by_rank=ds_config["by_rank"])
         if "by_rank" in kwargs:
