@@ -214,11 +214,20 @@ def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_loa
     assert not failures, "\n".join(failures)
 
 
-# Where fine-tuning starts: a pretrained body saved by one class, loaded into a task head that is not in the checkpoint
-# (a reward model from a causal LM, a classifier from a masked LM, CTC from a bare speech encoder, an image classifier
-# from a bare vision encoder). The body is renamed into the head class's layout by transformers (a prefix added or
-# dropped, the old head unexpected) and the new head is randomly initialised in 4 KiB chunks, in the plain load's RNG
-# order (target class, source class, model types).
+def _known_to(auto_class: str, types) -> tuple:
+    """The model types among `types` that `auto_class` has a class for."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    known = getattr(transformers, auto_class)._model_mapping
+    return tuple(t for t in types if CONFIG_MAPPING[t] in known)
+
+
+# Where fine-tuning starts: a pretrained body saved by one class, loaded into a task head that is not in the
+# checkpoint (a reward model from a causal LM, a classifier from a masked LM, CTC from a bare speech encoder, an image
+# classifier from a bare vision encoder, a causal LM from a whole vision-language checkpoint). The body is renamed
+# into the head class's layout by transformers (a prefix added or dropped, the old head unexpected) and the new head
+# is randomly initialised in 4 KiB chunks, in the plain load's RNG order (target class, source class, model types).
 NEW_HEADS = (
     ("AutoModelForSequenceClassification", "AutoModelForCausalLM",
      ("deepseek_v3", "gemma2", "gpt_neox", "gpt_oss", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3_moe")),
@@ -229,6 +238,9 @@ NEW_HEADS = (
     # d_model, not the image channels: a plain load refuses the sizes as well)
     ("AutoModelForImageClassification", "AutoModel", tuple(t for t in HEAD_SWEEP["AutoModelForImageClassification"]
                                                            if t not in ("pp_lcnet", "hgnet_v2", "perceiver"))),
+    # a vision-language checkpoint saved whole, loaded as its text backbone (Gemma 3, Qwen3.5-MoE, Mllama, ...)
+    ("AutoModelForCausalLM", "AutoModelForImageTextToText", _known_to("AutoModelForCausalLM",
+                                                                      HEAD_SWEEP["AutoModelForImageTextToText"])),
 )
 
 
