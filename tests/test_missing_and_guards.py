@@ -77,12 +77,12 @@ def paths(workdir):
         # transformers 5.23 saves its language model as model.model.language_model.model.* and cannot map it back
         "shieldgemma2": head_checkpoint(workdir, "AutoModelForImageTextToText", "shieldgemma2"),
         "omni_no_talker_experts": omni_without_talker_experts(workdir),
-        # a weight-norm conv's direction (`original1`) missing: transformers 5.23's init writes the computed `weight`,
-        # never its parametrization's originals
         # a transposed convolution's bias missing beside its loaded weight: DAC's init is torch's reset_parameters,
         # which branches on whether the weight is contiguous
         "dac_no_conv_bias": rewrite_checkpoint(head_checkpoint(workdir, "AutoModel", "dac"), d("dac_no_conv_bias"),
                                                _without_a_conv_bias),
+        # a weight-norm conv's direction (`original1`) missing: transformers 5.23's init writes the computed `weight`,
+        # never its parametrization's originals
         "wav2vec2_no_weight_norm_v": rewrite_checkpoint(head_checkpoint(workdir, "AutoModelForCTC", "wav2vec2"),
                                                         d("wav2vec2_no_weight_norm_v"), _without_weight_norm_v),
         # `fusion_config={"patch_embeddings": True}` (transformers 5.23): Conv3d patch embeddings become Linear layers
