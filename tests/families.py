@@ -339,9 +339,6 @@ SAM2_VIDEO_MEMORY = dict(image_size=64, memory_attention_hidden_size=32, memory_
                          memory_encoder_hidden_size=32, memory_encoder_output_channels=16,
                          mask_downsampler_embed_dim=32, memory_fuser_embed_dim=32, memory_fuser_intermediate_dim=48,
                          num_maskmem=2, memory_attention_num_layers=1)
-# head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
-# names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
-# them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
 # DAC codec: 2 strides of 2 (encoder channels double per stride: 8 -> 32 = hidden), 2 codebooks of 16
 DAC_SMALL = dict(encoder_hidden_size=8, downsampling_ratios=[2, 2], decoder_hidden_size=32, upsampling_ratios=[2, 2],
                  n_codebooks=2, codebook_size=16, codebook_dim=8, hop_length=4)
@@ -364,6 +361,9 @@ XCODEC2_SMALL = dict(encoder_hidden_size=8, downsampling_ratios=[2, 2], quantiza
                      quantization_levels=[4, 4, 4, 4], semantic_model_config=W2V_BERT_SMALL)
 # Nemotron diarization: its head reads the audio tower's hidden size
 DIARIZATION = dict(head_config=dict(audio_hidden_size=32), audio_config=dict(num_key_value_heads=2, num_mel_bins=16))
+# head-sweep model types whose sizes live under other names or in per-stage lists (text models with their own
+# names, vision backbones, detectors, segmenters, depth estimators) or whose sub-configs must agree: sizes that build
+# them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
 HEAD_SIZES_FOR: dict[str, dict] = {
     # text
     # text models of vision-language families (MoE among them) that only AutoModel knows: per-layer lists for 2
