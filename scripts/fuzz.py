@@ -183,11 +183,9 @@ def families_for(args) -> list[str] | None:
     """--families, or the default ones, that the --model-class auto class knows."""
     if args.model_class == "AutoModelForCausalLM":
         return args.families
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from tests.test_families import known_to
 
-    known = getattr(transformers, args.model_class)._model_mapping
-    return [f for f in args.families or FAMILIES if CONFIG_MAPPING[f] in known]
+    return list(known_to(args.model_class, args.families or FAMILIES))
 
 
 def run_configs(args, rng) -> list[str]:

@@ -214,7 +214,7 @@ def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_loa
     assert not failures, "\n".join(failures)
 
 
-def _known_to(auto_class: str, types) -> tuple:
+def known_to(auto_class: str, types) -> tuple:
     """The model types among `types` that `auto_class` has a class for."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -239,8 +239,8 @@ NEW_HEADS = (
     ("AutoModelForImageClassification", "AutoModel", tuple(t for t in HEAD_SWEEP["AutoModelForImageClassification"]
                                                            if t not in ("pp_lcnet", "hgnet_v2", "perceiver"))),
     # a vision-language checkpoint saved whole, loaded as its text backbone (Gemma 3, Qwen3.5-MoE, Mllama, ...)
-    ("AutoModelForCausalLM", "AutoModelForImageTextToText", _known_to("AutoModelForCausalLM",
-                                                                      HEAD_SWEEP["AutoModelForImageTextToText"])),
+    ("AutoModelForCausalLM", "AutoModelForImageTextToText", known_to("AutoModelForCausalLM",
+                                                                     HEAD_SWEEP["AutoModelForImageTextToText"])),
 )
 
 
