@@ -26,15 +26,17 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
     """Everything `plan` prints, as a dict (what `--json` writes). Reads only the config and the headers.
     `load_kwargs`: where the checkpoint is and which code builds it (subfolder, revision, variant, use_safetensors,
     trust_remote_code), as given to `from_pretrained`."""
-    from .expert_parallel import supported_model_types
+    from .expert_parallel import structure_named, supported_model_types
     from .planner.inspect import plan_ranks
     from .planner.memory import GiB, predict
 
     ds_config = ds_config or {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    section = ds_config.get("expert_parallel") or {}  # a preset or custom patterns named for the model
     ranks = sorted({*range(min(world_size, show_ranks)), world_size - 1})
     plans, model, checkpoint_, resolution, layout = plan_ranks(checkpoint, world_size, ranks=ranks,
                                                                model_class=model_class, ep_size=ep_size,
-                                                               with_model=True, load_kwargs=load_kwargs)
+                                                               with_model=True, load_kwargs=load_kwargs,
+                                                               expert_parallel=section)
     from .planner.inspect import meta_skeleton
     from .planner.memory import layer_params
 
@@ -59,7 +61,7 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
                         + ": the load refuses them (with ignore_mismatched_sizes=True they are initialised at load)")
     smallest_ep = None
     if device_memory is not None and not prediction.fits(device_memory):
-        if model_type in supported_model_types():
+        if model_type in supported_model_types() or structure_named(section):
             from .expert_parallel import ExpertParallelLayout  # noqa: F401  (only to say EP is possible)
 
             num_experts = _num_experts(model.config)
@@ -73,7 +75,8 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
                     break
         else:
             warnings.append(f"model type {model_type!r} has no DeepSpeed AutoEP preset: expert parallelism cannot "
-                            "shrink its largest gather")
+                            "shrink its largest gather unless the config's expert_parallel section names one "
+                            "(preset_model) or custom patterns")
     if ep_size and not layout:
         warnings.append("ep_size given but no MoE layer was converted")
     return {
@@ -167,7 +170,8 @@ def _plan(args) -> int:
     if args.verbose:
         plans = __import__("hf_zero3_loader.planner.inspect", fromlist=["plan_ranks"]).plan_ranks(
             args.checkpoint, args.world_size, ranks=[args.rank], model_class=getattr(transformers, args.model_class),
-            ep_size=args.ep_size, load_kwargs=_load_kwargs(args))
+            ep_size=args.ep_size, load_kwargs=_load_kwargs(args),
+            expert_parallel=(ds_config or {}).get("expert_parallel"))
         for tp in plans[0].tensors.values():
             print(f"  {tp.name:70} {tp.status:10} [{tp.start}:{tp.end}) of {tp.numel} -> {len(tp.reads)} reads")
     return 0
@@ -178,7 +182,8 @@ def _verify(args) -> int:
 
     with contextlib.redirect_stdout(sys.stderr):
         report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size,
-                        load_kwargs=_load_kwargs(args))
+                        load_kwargs=_load_kwargs(args),
+                        expert_parallel=json.loads(args.expert_parallel) if args.expert_parallel else None)
     if args.json:
         print(json.dumps(report, indent=2))
     elif "error" in report:
@@ -222,6 +227,9 @@ def main(argv=None) -> int:
     verify.add_argument("--world-size", type=int, required=True)
     verify.add_argument("--dtype", default="bfloat16")
     verify.add_argument("--ep-size", type=int, default=None)
+    verify.add_argument("--expert-parallel", default=None,
+                        help='JSON: more of DeepSpeed\'s expert_parallel section, e.g. \'{"preset_model": "qwen3_moe"}\' '
+                             "for a model type without an AutoEP preset")
     verify.add_argument("--model-class", default="AutoModelForCausalLM")
     verify.add_argument("--json", action="store_true")
     add_location_arguments(verify)

@@ -132,6 +132,14 @@ def supported_model_types() -> dict[str, str]:
     return {t: preset for preset, types in ds_private.autoep_presets().items() for t in types}
 
 
+def structure_named(section: dict) -> bool:
+    """Whether DeepSpeed's `expert_parallel` config section names the MoE structure itself: a preset
+    (`preset_model`) or custom patterns (`moe_layer_pattern`, ...). DeepSpeed's engine-side AutoEP then takes model
+    types it has no preset for, its detection checking the structure. Without either it tries every preset on such
+    a model: ambiguous (refused), or no layer found and no EP at all, so this loader refuses those types."""
+    return bool(section.get("preset_model") or section.get("moe_layer_pattern"))
+
+
 @dataclass
 class ExpertParallelLayout:
     """The skeleton's MoE blocks replaced by AutoEP layers, and where every new tensor's bytes come from."""
@@ -152,12 +160,15 @@ class ExpertParallelLayout:
     def convert(cls, model: torch.nn.Module, request: ExpertParallelRequest, groups: ExpertParallelGroups):
         model_type = getattr(model.config, "model_type", None)
         families = supported_model_types()
-        if model_type not in families:
+        if model_type not in families and not structure_named(request.autoep_section):
             note = ds_private.autoep_note_for(model_type)  # e.g. a vision-language model: its text backbone has one
             raise ConfigError(
                 f"expert parallelism under ZeRO-3 needs a DeepSpeed AutoEP preset for the model; model type "
                 f"{model_type!r} has none (deepspeed {ds_private.DEEPSPEED_VERSION_WRITTEN_AGAINST} presets cover: "
-                f"{', '.join(sorted(families))})" + (f". DeepSpeed: {note}" if note else ""))
+                f"{', '.join(sorted(families))})" + (f". DeepSpeed: {note}" if note else "") +
+                f". As for DeepSpeed's engine-side AutoEP, a model of the same structure can name one in the config: "
+                f"expert_parallel.preset_model (one of {', '.join(sorted(ds_private.autoep_presets()))}), or custom "
+                f"patterns (expert_parallel.moe_layer_pattern, router_pattern, expert_pattern, ...)")
         autoep_config = ds_private.parse_autoep_section(request.autoep_section)
         try:
             specs = ds_private.detect_moe_layers(model, autoep_config)

@@ -18,9 +18,11 @@ import sys
 
 
 def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_class: str = "AutoModelForCausalLM",
-           ep_size: int | None = None, timeout: float = 3600, load_kwargs: dict | None = None) -> dict:
+           ep_size: int | None = None, timeout: float = 3600, load_kwargs: dict | None = None,
+           expert_parallel: dict | None = None) -> dict:
     """Run the verification in `world_size` fresh processes; return rank 0's report. `load_kwargs` go to both
-    loads (where the checkpoint is and which code builds it: subfolder, revision, variant, trust_remote_code...)."""
+    loads (where the checkpoint is and which code builds it: subfolder, revision, variant, trust_remote_code...).
+    `expert_parallel`: more of DeepSpeed's section of that name with `ep_size` (a `preset_model`, custom patterns)."""
     import tempfile
 
     with socket.socket() as s:
@@ -32,6 +34,7 @@ def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_clas
                "127.0.0.1", "--master_port", str(port), "-m", "hf_zero3_loader.verify", checkpoint, out,
                "--dtype", dtype, "--model-class", model_class, "--load-kwargs", json.dumps(load_kwargs or {})]
         cmd += ["--ep-size", str(ep_size)] if ep_size else []
+        cmd += ["--expert-parallel", json.dumps(expert_parallel)] if expert_parallel else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         if not os.path.exists(out):
@@ -53,8 +56,9 @@ def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
         return {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
     if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):
         return plain[f"{m[1]}.gate.{m[2]}"]
-    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):
-        return plain[f"{m[1]}.gate.e_score_correction_bias"]
+    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):  # wherever the block keeps it
+        found = [n for n in plain if n.startswith(f"{m[1]}.") and n.endswith(".e_score_correction_bias")]
+        return plain[found[0]] if len(found) == 1 else None
     if name not in plain and ".shared_experts" in name:
         return plain.get(name.replace(".shared_experts", ".shared_expert"))
     return plain.get(name)
@@ -92,7 +96,7 @@ def _worker(args) -> None:
     elif dtype == torch.float16:
         config["fp16"] = {"enabled": True}
     if args.ep_size:
-        config["expert_parallel"] = {"enabled": True, "autoep_size": args.ep_size}
+        config["expert_parallel"] = {**json.loads(args.expert_parallel), "enabled": True, "autoep_size": args.ep_size}
     model_class = getattr(transformers, args.model_class)
     load_kwargs = json.loads(args.load_kwargs)
     dequantize = dequantize_config(args.checkpoint, load_kwargs)
@@ -157,5 +161,6 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--model-class", default="AutoModelForCausalLM")
     ap.add_argument("--ep-size", type=int, default=None)
+    ap.add_argument("--expert-parallel", default="{}", help="JSON: more of DeepSpeed's expert_parallel section")
     ap.add_argument("--load-kwargs", default="{}", help="JSON: from_pretrained keywords for both loads")
     _worker(ap.parse_args())

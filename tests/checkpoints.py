@@ -125,6 +125,12 @@ def qwen3_vl_moe_config():
 # Mixtral 4: ep_size 4), odd expert and hidden sizes, so a local expert slice does not divide over an
 # expert-data-parallel group of 2.
 EP_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe_text", "minimax_m3_vl_text")
+# model types DeepSpeed 0.19.8 has no AutoEP preset for, whose config names their structure (as engine-side AutoEP
+# needs): a preset of the same structure (`preset_model`), or custom patterns
+EP_NAMED_STRUCTURE = {"olmoe": {"preset_model": "qwen3_moe"}, "glm4_moe": {"preset_model": "deepseek_v3"},
+                      "minimax_m2": {"preset_model": "minimax_m3"}}
+OLMOE_EP_PATTERNS = {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "num_experts_attr": "num_experts",
+                     "route_norm": False}
 
 
 def ep_config(family: str):
@@ -151,6 +157,15 @@ def ep_config(family: str):
         return T.Qwen3_5MoeTextConfig(**common, hidden_size=27, head_dim=10, moe_intermediate_size=11,
                                       shared_expert_intermediate_size=13, num_experts=6, linear_key_head_dim=8,
                                       linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2)
+    if family == "olmoe":
+        return T.OlmoeConfig(**common, hidden_size=28, intermediate_size=11, num_experts=6, bos_token_id=1,
+                             eos_token_id=2, pad_token_id=0)
+    if family == "glm4_moe":
+        return T.Glm4MoeConfig(**common, hidden_size=28, head_dim=10, intermediate_size=22, moe_intermediate_size=11,
+                               n_routed_experts=6, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1)
+    if family == "minimax_m2":
+        return T.MiniMaxM2Config(**common, hidden_size=27, head_dim=10, rotary_dim=10, intermediate_size=11,
+                                 num_local_experts=6, bos_token_id=1, eos_token_id=2)
     if family == "minimax_m3_vl_text":
         return T.MiniMaxM3VLTextConfig(**common, hidden_size=27, head_dim=10, rotary_dim=10, intermediate_size=11,
                                        dense_intermediate_size=22, shared_intermediate_size=13, num_local_experts=6,

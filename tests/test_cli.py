@@ -121,6 +121,26 @@ def test_verify_compares_a_real_load_with_the_plain_one(workdir):
         assert report["ok"] and report["compared"] >= 27 and not report["problems"], report
 
 
+def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_autoep_preset(workdir):
+    """MiniMax-M2 has no DeepSpeed AutoEP preset; a config naming one of the same structure gives it EP in `plan`
+    (its `--ds-config`) and in `verify` (`--expert-parallel`), as in a load. Without it, `plan` says how to name it."""
+    path = make_checkpoint(os.path.join(workdir, "ep_minimax_m2"), "minimax_m2", config=ep_config("minimax_m2"))
+    refused = _cli("plan", path, "--world-size", "2", "--ep-size", "2")
+    assert refused.returncode != 0 and "'minimax_m2' has none" in refused.stderr and "preset_model" in refused.stderr
+    config = os.path.join(workdir, "ds_minimax_m3_preset.json")
+    with open(config, "w") as f:
+        json.dump({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                   "expert_parallel": {"preset_model": "minimax_m3"}}, f)
+    plain = json.loads(_cli("plan", path, "--world-size", "2", "--json").stdout)
+    ep = json.loads(_cli("plan", path, "--world-size", "2", "--ep-size", "2", "--ds-config", config, "--json").stdout)
+    assert ep["ep_size"] == 2 and ep["train"]["largest_layer_params"] < plain["train"]["largest_layer_params"]
+    result = _cli("verify", path, "--world-size", "2", "--ep-size", "2", "--expert-parallel",
+                  '{"preset_model": "minimax_m3"}', "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["ep_size"] == 2 and not report["problems"], report
+
+
 def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_them(workdir):
     """A plain load leaves uninitialised memory in them: nothing to compare, so they are checked to be zeros instead
     of reported as mismatches."""

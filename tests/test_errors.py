@@ -226,7 +226,11 @@ CASES = {
     "ep_size_does_not_divide": ("good", _stage3(expert_parallel={"enabled": True, "autoep_size": 3}), {}, None,
                                 "ConfigError", ["autoep_size=3", "does not divide", "world size 2"]),
     "ep_family_without_autoep_preset": ("llama", None, {"ep_size": 2}, None, "ConfigError",
-                                        ["AutoEP preset", "'llama' has none", "qwen3_moe"]),
+                                        ["AutoEP preset", "'llama' has none", "qwen3_moe", "preset_model"]),
+    # a preset named for a model without that structure: DeepSpeed's detection refuses it, as in its engine
+    "ep_named_preset_does_not_match": ("llama", _stage3(expert_parallel={"preset_model": "qwen3_moe"}), {"ep_size": 2},
+                                       None, "ConfigError", ["AutoEP cannot take this llama model",
+                                                             "no MoE layers detected", "preset_model='qwen3_moe'"]),
     # a vision-language wrapper: AutoEP's preset is for its text backbone (which AutoModelForCausalLM loads)
     "ep_vision_language_wrapper": ("qwen3_5_moe_vl", None, {"ep_size": 2}, None, "ConfigError",
                                    ["AutoEP preset", "'qwen3_5_moe' has none", "DeepSpeed:", "qwen3_5_moe_text"]),

@@ -4,7 +4,9 @@ the world, equals plain; each rank reads only its share; training equals DeepSpe
 
 Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 4, with ep_size equal to the world
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
-it ships (FP8), dequantized on read into the local experts.
+it ships (FP8), dequantized on read into the local experts. Model types without a preset whose config names their
+structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
+GLM-4.5 (MoE) and MiniMax-M2, one of them trained against engine-side AutoEP.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import re
 import pytest
 import torch
 
-from tests.checkpoints import EP_FAMILIES, ep_config, fp8_checkpoint, make_checkpoint
+from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config, fp8_checkpoint,
+                               make_checkpoint)
 from tests.conftest import run_torchrun
 from tests.dist_worker import ds_config_for
 
@@ -24,8 +27,10 @@ from tests.dist_worker import ds_config_for
 EP_SECTION = {"enabled": True, "use_grouped_mm": False}
 
 
-def ep_ds_config(ep_size: int, dtype: str = "bfloat16") -> dict:
-    return ds_config_for(dtype, {"expert_parallel": {**EP_SECTION, "autoep_size": ep_size}})
+def ep_ds_config(ep_size: int, dtype: str = "bfloat16", family: str = "", structure: dict | None = None) -> dict:
+    """`structure`: what the config names for a model type without an AutoEP preset (default: the family's)."""
+    structure = EP_NAMED_STRUCTURE.get(family, {}) if structure is None else structure
+    return ds_config_for(dtype, {"expert_parallel": {**EP_SECTION, **structure, "autoep_size": ep_size}})
 
 
 FP8 = "deepseek_v3_fp8"  # DeepSeek-V3 as it ships: FP8 with a scale per 16 x 16 block here, dequantized on read
@@ -48,13 +53,14 @@ def checkpoint(workdir: str, family: str) -> str:
     return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family))
 
 
-# world size -> [(family, ep_size, engine dtype)]
+# world size -> [(family, ep_size, engine dtype[, the structure the config names])]
 RUNS = {
-    2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32")],
+    2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32"),
+        ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16")],
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
-        (FP8, 3, "bfloat16")],
+        (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
-        ("minimax_m3_vl_text", 2, "bfloat16")],
+        ("minimax_m3_vl_text", 2, "bfloat16"), ("olmoe", 2, "bfloat16", OLMOE_EP_PATTERNS)],
 }
 
 _dumps: dict = {}
@@ -62,11 +68,12 @@ _dumps: dict = {}
 
 def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
     if world_size not in _dumps:
-        cases = [{"name": f"{family}/ep{ep}/{dtype}", "family": family, "ep_size": ep, "path": checkpoint(workdir, family),
-                  "dtype": dtype, "ds_config": ep_ds_config(ep, dtype), "all_ranks_state": True,
+        cases = [{"name": f"{family}/ep{ep}/{dtype}" + ("/patterns" if structure else ""), "family": family,
+                  "ep_size": ep, "path": checkpoint(workdir, family), "dtype": dtype,
+                  "ds_config": ep_ds_config(ep, dtype, family, *structure), "all_ranks_state": True,
                   "kwargs": {"quantization_config": DEQUANTIZE} if family == FP8 else {},
-                  "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}.pt")}
-                 for family, ep, dtype in RUNS[world_size]]
+                  "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{'_p' if structure else ''}.pt")}
+                 for family, ep, dtype, *structure in RUNS[world_size]]
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
     return _dumps[world_size]
 
@@ -107,7 +114,9 @@ def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[str, t
     if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):
         source = f"{m[1]}.gate.{m[2]}"
     elif m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):
-        source = f"{m[1]}.gate.e_score_correction_bias"
+        # wherever the MoE block keeps it: on its router (DeepSeek), on itself (MiniMax-M2), in the router's
+        # `moe_statics` (ERNIE 4.5)
+        (source,) = [n for n in plain if n.startswith(f"{m[1]}.") and n.endswith(".e_score_correction_bias")]
     elif name not in plain and ".shared_experts" in name:  # Qwen's shared_expert(_gate), renamed by AutoEP
         source = name.replace(".shared_experts", ".shared_expert")
     else:
@@ -154,7 +163,9 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
         read = [r["report"]["bytes_read"] for r in ranks]
         # every parameter byte is read by exactly one rank (the experts of an EP rank are split over its EDP group);
         # persistent buffers (DeepSeek-V3's e_score_correction_bias) are whole on every rank
-        buffers = sum(e.nbytes for k, e in checkpoint_.entries.items() if k in buffer_names(case["path"]))
+        # (matched by the buffer's own name: MiniMax-M2's checkpoint keeps its original `block_sparse_moe` keys)
+        leaves = {n.rsplit(".", 1)[-1] for n in buffer_names(case["path"])}
+        buffers = sum(e.nbytes for k, e in checkpoint_.entries.items() if k.rsplit(".", 1)[-1] in leaves)
         slack = len(checkpoint_.entries) * 4 * case["ep_size"]
         largest_allocation = lambda r: r["report"]["largest_partition_numel"]  # noqa: E731
         if case["family"] == FP8:  # a block's scale is read by every rank whose share the block straddles, and
@@ -177,14 +188,16 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
 
 def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[dict]:
     path = checkpoint(workdir, family)
-    return [{"name": f"train/{family}/{variant}", "path": path, "dtype": "bfloat16", "ds_config": ep_ds_config(ep),
+    return [{"name": f"train/{family}/{variant}", "path": path, "dtype": "bfloat16",
+             "ds_config": ep_ds_config(ep, family=family),
              "upstream": variant == "engine-side AutoEP", "train_steps": 3,
              "checkpoint_roundtrip": variant == "ours", "kwargs": {"experts_implementation": "eager"},
              "out": os.path.join(workdir, f"ep_train_w{world_size}_{family}_{variant.split()[0]}.pt")}
             for variant in ("ours", "engine-side AutoEP")]
 
 
-TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2)]  # (world size, family, ep_size): losses vs engine-side AutoEP
+# (world size, family, ep_size): losses vs engine-side AutoEP; GLM-4.5 through the DeepSeek-V3 preset its config names
+TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2), (2, "glm4_moe", 2)]
 
 
 @pytest.mark.parametrize("world_size,family,ep", TRAINED)

@@ -26,14 +26,14 @@ from tests.conftest import run_nodes, run_ranks, run_torchrun
 from tests.dist_worker import ds_config_for
 from tests.test_expert_parallel import ep_ds_config, expected
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "minimax_m2")
 STAGING = 4096  # a small staging budget, so the bound below means something
 
 # world size -> [(family, ep_size or None, engine dtype, max_shard_size)]
 SAVES = {
     1: [("llama_tied", None, "bfloat16", "10GB"), ("qwen3_moe", None, "float32", "20KB")],
     2: [("llama_untied", None, "bfloat16", "20KB"), ("mixtral", None, "bfloat16", "20KB"),
-        ("qwen3_moe", 2, "bfloat16", "20KB")],
+        ("qwen3_moe", 2, "bfloat16", "20KB"), ("minimax_m2", 2, "bfloat16", "20KB")],  # (no AutoEP preset: named)
     3: [("llama_tied", None, "bfloat16", "20KB"), ("qwen3_moe", None, "bfloat16", "20KB"),
         ("qwen2_moe", 3, "float32", "10GB")],
     4: [("qwen3_moe", None, "bfloat16", "20KB"), ("deepseek_v3", 2, "bfloat16", "20KB")],
@@ -52,7 +52,7 @@ def save_case(workdir: str, world_size: int, family: str, ep: int | None, dtype:
     shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(folder + ".reference", ignore_errors=True)
     return {"name": name, "family": family, "ep_size": ep, "path": source(workdir, family, ep), "dtype": dtype,
-            "ds_config": ep_ds_config(ep, dtype) if ep else ds_config_for(dtype), "train_steps": 2,
+            "ds_config": ep_ds_config(ep, dtype, family) if ep else ds_config_for(dtype), "train_steps": 2,
             "kwargs": {"experts_implementation": "eager"} if family in MOE else {},
             "all_ranks_state": ep is not None, "out": os.path.join(workdir, f"save_{name}.pt"),
             "save": {"dir": folder, "reference": True,

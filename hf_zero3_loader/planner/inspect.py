@@ -57,19 +57,22 @@ def _refuse_transformers_path(path: str, config) -> None:
 
 
 def plan_ranks(path: str, world_size: int, ranks=None, model_class=None, dtype=None, ep_size: int | None = None,
-               with_model: bool = False, load_kwargs: dict | None = None):
+               with_model: bool = False, load_kwargs: dict | None = None, expert_parallel: dict | None = None):
     """Each rank's plan, outside a distributed job (no data read). With `ep_size`, the model's MoE blocks become
     AutoEP layers (as a load with expert parallelism makes them) and EP ranks are laid out as DeepSpeed lays them
-    out by default (EP groups of consecutive ranks). The checkpoint is resolved once for all ranks. `load_kwargs`:
-    any of LOCATION_KWARGS, as given to `from_pretrained`."""
+    out by default (EP groups of consecutive ranks); `expert_parallel`: the DeepSpeed config's section of that name
+    (a `preset_model` or custom patterns for a model type without a preset; its own size settings are ignored).
+    The checkpoint is resolved once for all ranks. `load_kwargs`: any of LOCATION_KWARGS, as given to
+    `from_pretrained`."""
     unknown = set(load_kwargs or {}) - set(LOCATION_KWARGS)
     if unknown:
         raise TypeError(f"plan_ranks: unsupported from_pretrained keywords {sorted(unknown)}; planned: {LOCATION_KWARGS}")
     with paused_gc():
-        return _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs or {})
+        return _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs or {},
+                           expert_parallel or {})
 
 
-def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs):
+def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model, load_kwargs, expert_parallel):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     from transformers.quantizers import AutoHfQuantizer
@@ -86,7 +89,8 @@ def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model
     if ep_size:
         from ..expert_parallel import ExpertParallelGroups, ExpertParallelLayout, request_from
 
-        request = request_from({}, ep_size, None, world_size)
+        section = {k: v for k, v in expert_parallel.items() if k not in ("enabled", "autoep_size")}
+        request = request_from({"expert_parallel": section}, ep_size, None, world_size)
         layout = ExpertParallelLayout.convert(model, request, ExpertParallelGroups(ep_size, 0, None, EXPERTS))
     plans = []
     for rank in ranks if ranks is not None else range(world_size):
