@@ -97,6 +97,23 @@ FEATURED = {
         "**On disk**: fused `mlp.experts.gate_up_proj` / `down_proj` as in the model (no conversion op), shared experts, "
         "router correction bias. AutoEP's preset computes its clamped SwiGLU.",
     ]),
+    "glm4_moe": ("GLM-4.5 MoE", "glm4_moe.md", [
+        "**Expert parallelism**: DeepSpeed 0.19.8 has no AutoEP preset for `glm4_moe`; its structure is DeepSeek-V3's "
+        "(shared experts, a router correction bias, grouped top-k), so the config names that preset, as engine-side "
+        "AutoEP needs: `\"expert_parallel\": {\"enabled\": true, \"autoep_size\": E, \"preset_model\": "
+        "\"deepseek_v3\"}`.",
+    ]),
+    "minimax_m2": ("MiniMax-M2", "minimax_m2.md", [
+        "**On disk**: one tensor per expert under `block_sparse_moe.experts.{e}.w1/w2/w3`, renamed and fused by "
+        "transformers' mapping; the router correction bias sits on the MoE block itself.",
+        "**Expert parallelism**: no AutoEP preset for `minimax_m2`; the config names MiniMax-M3's "
+        "(`\"preset_model\": \"minimax_m3\"`). Each rank reads only its share of its local experts' per-expert tensors.",
+    ]),
+    "olmoe": ("OLMoE", "olmoe.md", [
+        "**Expert parallelism**: no AutoEP preset for `olmoe`; the config names Qwen3-MoE's (`\"preset_model\": "
+        "\"qwen3_moe\"`) or DeepSpeed's custom patterns (`moe_layer_pattern`, `num_experts_attr: \"num_experts\"`, "
+        "`route_norm: false`).",
+    ]),
 }
 
 
@@ -133,10 +150,14 @@ def verification() -> dict:
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")
     for world, runs in test_expert_parallel.RUNS.items():
-        for family, ep, dtype in runs:
+        for family, ep, dtype, *patterns in runs:
             fp8 = " (an FP8 checkpoint, dequantized on read)" if family == test_expert_parallel.FP8 else ""
-            add(family.removesuffix("_fp8"), f"expert parallelism: world size {world}, ep_size {ep}, {dtype}{fp8}: "
-                "local experts equal the plain load's slices, everything else equal", "tests/test_expert_parallel.py")
+            named = test_expert_parallel.EP_NAMED_STRUCTURE.get(family)
+            named = (" (custom AutoEP patterns in the config)" if patterns else
+                     f" (preset `{named['preset_model']}` named in the config)" if named else "")
+            add(family.removesuffix("_fp8"), f"expert parallelism: world size {world}, ep_size {ep}, {dtype}{fp8}"
+                f"{named}: local experts equal the plain load's slices, everything else equal",
+                "tests/test_expert_parallel.py")
     for world, family, ep in test_expert_parallel.TRAINED:
         add(family, f"expert parallelism: 3 AdamW steps at world size {world}, ep_size {ep} equal DeepSpeed's "
                     "engine-side AutoEP; checkpoints round-trip", "tests/test_expert_parallel.py")

@@ -18,8 +18,8 @@ import re
 import pytest
 import torch
 
-from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config, fp8_checkpoint,
-                               make_checkpoint)
+from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config,  # noqa: F401
+                               fp8_checkpoint, make_checkpoint)
 from tests.conftest import run_torchrun
 from tests.dist_worker import ds_config_for
 
