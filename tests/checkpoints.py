@@ -131,6 +131,9 @@ EP_NAMED_STRUCTURE = {"olmoe": {"preset_model": "qwen3_moe"}, "glm4_moe": {"pres
                       "minimax_m2": {"preset_model": "minimax_m3"}}
 OLMOE_EP_PATTERNS = {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "num_experts_attr": "num_experts",
                      "route_norm": False}
+# no preset fits Granite-MoE (its MoE block is `block_sparse_moe`, its router `router`): custom patterns only
+GRANITEMOE_EP_PATTERNS = {"moe_layer_pattern": r"model\.layers\.\d+\.block_sparse_moe", "router_pattern": "router",
+                          "num_experts_attr": "num_local_experts"}
 
 
 def ep_config(family: str):
@@ -166,6 +169,9 @@ def ep_config(family: str):
     if family == "minimax_m2":
         return T.MiniMaxM2Config(**common, hidden_size=27, head_dim=10, rotary_dim=10, intermediate_size=11,
                                  num_local_experts=6, bos_token_id=1, eos_token_id=2)
+    if family == "granitemoe":
+        return T.GraniteMoeConfig(**common, hidden_size=28, intermediate_size=11, num_local_experts=6, bos_token_id=1,
+                                  eos_token_id=2, pad_token_id=0)
     if family == "minimax_m3_vl_text":
         return T.MiniMaxM3VLTextConfig(**common, hidden_size=27, head_dim=10, rotary_dim=10, intermediate_size=11,
                                        dense_intermediate_size=22, shared_intermediate_size=13, num_local_experts=6,

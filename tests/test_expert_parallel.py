@@ -6,7 +6,7 @@ Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
 it ships (FP8), dequantized on read into the local experts. Model types without a preset whose config names their
 structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
-GLM-4.5 (MoE) and MiniMax-M2, one of them trained against engine-side AutoEP.
+GLM-4.5 (MoE), MiniMax-M2 and Granite-MoE (which no preset fits), one of them trained against engine-side AutoEP.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import re
 import pytest
 import torch
 
-from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config,  # noqa: F401
-                               fp8_checkpoint, make_checkpoint)
+from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, GRANITEMOE_EP_PATTERNS, OLMOE_EP_PATTERNS,  # noqa: F401
+                               ep_config, fp8_checkpoint, make_checkpoint)
 from tests.conftest import run_torchrun
 from tests.dist_worker import ds_config_for
 
@@ -58,7 +58,7 @@ RUNS = {
     2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32"),
         ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16")],
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
-        (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16")],
+        (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16", GRANITEMOE_EP_PATTERNS)],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
         ("minimax_m3_vl_text", 2, "bfloat16"), ("olmoe", 2, "bfloat16", OLMOE_EP_PATTERNS)],
 }
@@ -111,8 +111,8 @@ def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[str, t
         ffn = gate_up.shape[1] // 2
         source = f"{moe}.experts.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
         return source, {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
-    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):
-        source = f"{m[1]}.gate.{m[2]}"
+    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):  # the block's router, by its name
+        (source,) = [s for s in (f"{m[1]}.gate.{m[2]}", f"{m[1]}.router.{m[2]}") if s in plain]
     elif m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):
         # wherever the MoE block keeps it: on its router (DeepSeek), on itself (MiniMax-M2), in the router's
         # `moe_statics` (ERNIE 4.5)
