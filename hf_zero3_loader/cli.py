@@ -26,12 +26,14 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
     """Everything `plan` prints, as a dict (what `--json` writes). Reads only the config and the headers.
     `load_kwargs`: where the checkpoint is and which code builds it (subfolder, revision, variant, use_safetensors,
     trust_remote_code), as given to `from_pretrained`."""
-    from .expert_parallel import structure_named, supported_model_types
+    from .expert_parallel import request_from, structure_named, supported_model_types
     from .planner.inspect import plan_ranks
     from .planner.memory import GiB, predict
 
     ds_config = ds_config or {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     section = ds_config.get("expert_parallel") or {}  # a preset or custom patterns named for the model
+    request = request_from(ds_config, ep_size, None, world_size)  # as a load merges --ep-size and the config's
+    ep_size = request.ep_size if request is not None else None
     ranks = sorted({*range(min(world_size, show_ranks)), world_size - 1})
     plans, model, checkpoint_, resolution, layout = plan_ranks(checkpoint, world_size, ranks=ranks,
                                                                model_class=model_class, ep_size=ep_size,

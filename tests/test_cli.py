@@ -134,6 +134,10 @@ def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_au
     plain = json.loads(_cli("plan", path, "--world-size", "2", "--json").stdout)
     ep = json.loads(_cli("plan", path, "--world-size", "2", "--ep-size", "2", "--ds-config", config, "--json").stdout)
     assert ep["ep_size"] == 2 and ep["train"]["largest_layer_params"] < plain["train"]["largest_layer_params"]
+    with open(config, "w") as f:  # EP asked in the config alone, as a load takes it
+        json.dump({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                   "expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "minimax_m3"}}, f)
+    assert json.loads(_cli("plan", path, "--world-size", "2", "--ds-config", config, "--json").stdout) == ep
     result = _cli("verify", path, "--world-size", "2", "--ep-size", "2", "--expert-parallel",
                   '{"preset_model": "minimax_m3"}', "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
