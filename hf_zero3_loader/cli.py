@@ -172,7 +172,7 @@ def _plan(args) -> int:
     if args.verbose:
         plans = __import__("hf_zero3_loader.planner.inspect", fromlist=["plan_ranks"]).plan_ranks(
             args.checkpoint, args.world_size, ranks=[args.rank], model_class=getattr(transformers, args.model_class),
-            ep_size=args.ep_size, load_kwargs=_load_kwargs(args),
+            ep_size=report["ep_size"] if report["ep_size"] > 1 else args.ep_size, load_kwargs=_load_kwargs(args),
             expert_parallel=(ds_config or {}).get("expert_parallel"))
         for tp in plans[0].tensors.values():
             print(f"  {tp.name:70} {tp.status:10} [{tp.start}:{tp.end}) of {tp.numel} -> {len(tp.reads)} reads")
@@ -181,6 +181,10 @@ def _plan(args) -> int:
 
 def _verify(args) -> int:
     from .verify import launch
+
+    if args.expert_parallel and not args.ep_size:
+        print("verify: --expert-parallel adds to the section --ep-size enables; give --ep-size too", file=sys.stderr)
+        return 2
 
     with contextlib.redirect_stdout(sys.stderr):
         report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size,

@@ -54,8 +54,8 @@ def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
         n = gate_up.shape[0] // ep_size
         local, ffn = slice(ep_rank * n, (ep_rank + 1) * n), gate_up.shape[1] // 2
         return {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
-    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):
-        return plain[f"{m[1]}.gate.{m[2]}"]
+    if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):  # the block's router, by its name
+        return plain.get(f"{m[1]}.gate.{m[2]}", plain.get(f"{m[1]}.router.{m[2]}"))
     if m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):  # wherever the block keeps it
         found = [n for n in plain if n.startswith(f"{m[1]}.") and n.endswith(".e_score_correction_bias")]
         return plain[found[0]] if len(found) == 1 else None
