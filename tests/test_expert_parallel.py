@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, GRANITEMOE_EP_PATTERNS, OLMOE_EP_PATTERNS,  # noqa: F401
+from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, GRANITEMOE_EP_PATTERNS, OLMOE_EP_PATTERNS,
                                ep_config, fp8_checkpoint, make_checkpoint)
 from tests.conftest import run_torchrun
 from tests.dist_worker import ds_config_for
