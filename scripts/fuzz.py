@@ -245,15 +245,14 @@ def run_missing(args, rng) -> list[str]:
 def run_ep(args, rng) -> list[str]:
     import torch
 
-    from tests.checkpoints import EP_FAMILIES, EP_NAMED_STRUCTURE, GRANITEMOE_EP_PATTERNS, ep_config
+    from tests.checkpoints import EP_FAMILIES, EP_NAMED_STRUCTURE, ep_config
     from tests.conftest import run_nodes, run_torchrun
     from tests.test_expert_parallel import ep_ds_config, expected, plain_load
 
     cases = []
     for i in range(args.cases):
         # presets, and structures the config names: a preset of the same structure, or custom patterns
-        family = rng.choice(EP_FAMILIES + tuple(EP_NAMED_STRUCTURE) + ("granitemoe",))
-        structure = GRANITEMOE_EP_PATTERNS if family == "granitemoe" else None
+        family = rng.choice(EP_FAMILIES + tuple(EP_NAMED_STRUCTURE))
         config = ep_config(family)
         text = getattr(config, "text_config", None) or config
         experts = rng.choice([4, 8])
@@ -269,7 +268,7 @@ def run_ep(args, rng) -> list[str]:
         path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
                             rng.choice(["10GB", "9KB"]))
         case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
-                "dtype": "bfloat16", "ds_config": ep_ds_config(ep, "bfloat16", family, structure), "all_ranks_state": True,
+                "dtype": "bfloat16", "ds_config": ep_ds_config(ep, "bfloat16", family), "all_ranks_state": True,
                 "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")}
         if args.stream:  # one rank per "node", only node 0 with the files: the others receive their expert shares
             chunk = rng.choice([256, 4096, 1 << 20])

@@ -152,9 +152,9 @@ def verification() -> dict:
     for world, runs in test_expert_parallel.RUNS.items():
         for family, ep, dtype, *patterns in runs:
             fp8 = " (an FP8 checkpoint, dequantized on read)" if family == test_expert_parallel.FP8 else ""
-            named = test_expert_parallel.EP_NAMED_STRUCTURE.get(family)
-            named = (" (custom AutoEP patterns in the config)" if patterns else
-                     f" (preset `{named['preset_model']}` named in the config)" if named else "")
+            named = patterns[0] if patterns else test_expert_parallel.EP_NAMED_STRUCTURE.get(family, {})
+            named = (f" (preset `{named['preset_model']}` named in the config)" if "preset_model" in named else
+                     " (custom AutoEP patterns in the config)" if named else "")
             add(family.removesuffix("_fp8"), f"expert parallelism: world size {world}, ep_size {ep}, {dtype}{fp8}"
                 f"{named}: local experts equal the plain load's slices, everything else equal",
                 "tests/test_expert_parallel.py")

@@ -125,15 +125,15 @@ def qwen3_vl_moe_config():
 # Mixtral 4: ep_size 4), odd expert and hidden sizes, so a local expert slice does not divide over an
 # expert-data-parallel group of 2.
 EP_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe_text", "minimax_m3_vl_text")
-# model types DeepSpeed 0.19.8 has no AutoEP preset for, whose config names their structure (as engine-side AutoEP
-# needs): a preset of the same structure (`preset_model`), or custom patterns
-EP_NAMED_STRUCTURE = {"olmoe": {"preset_model": "qwen3_moe"}, "glm4_moe": {"preset_model": "deepseek_v3"},
-                      "minimax_m2": {"preset_model": "minimax_m3"}}
 OLMOE_EP_PATTERNS = {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "num_experts_attr": "num_experts",
                      "route_norm": False}
-# no preset fits Granite-MoE (its MoE block is `block_sparse_moe`, its router `router`): custom patterns only
-GRANITEMOE_EP_PATTERNS = {"moe_layer_pattern": r"model\.layers\.\d+\.block_sparse_moe", "router_pattern": "router",
-                          "num_experts_attr": "num_local_experts"}
+# model types DeepSpeed 0.19.8 has no AutoEP preset for, whose config names their structure (as engine-side AutoEP
+# needs): a preset of the same structure (`preset_model`), or custom patterns (no preset fits Granite-MoE: its MoE
+# block is `block_sparse_moe`, its router `router`)
+EP_NAMED_STRUCTURE = {"olmoe": {"preset_model": "qwen3_moe"}, "glm4_moe": {"preset_model": "deepseek_v3"},
+                      "minimax_m2": {"preset_model": "minimax_m3"},
+                      "granitemoe": {"moe_layer_pattern": r"model\.layers\.\d+\.block_sparse_moe",
+                                     "router_pattern": "router", "num_experts_attr": "num_local_experts"}}
 
 
 def ep_config(family: str):
