@@ -1,4 +1,5 @@
-"""Every touch of transformers' private API, in one place. Written against transformers 5.23.
+"""Every touch of transformers' private API, in one place. Written against transformers 5.23; checked against 5.24
+(the same private API; 5.24 adds conversion ops, whose rules are in `planner/ops.py`).
 
 - `integrations.deepspeed._hf_deepspeed_config_weak_ref`: hidden while we build the model, so
   `from_pretrained` builds a meta skeleton instead of entering `zero.Init`.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-TRANSFORMERS_VERSION_WRITTEN_AGAINST = "5.23"
+TRANSFORMERS_VERSIONS_CHECKED = ("5.23", "5.24")
 _originals: dict[str, Callable] = {}  # transformers' methods while ours replace them
 
 

@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # What the device image lacks (its pip list: /work/.library/device/KINDS.md), at the versions CI installs here.
-WHEELS=(transformers==5.23.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+WHEELS=(transformers==5.24.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
         hjson==3.1.0 regex==2026.5.9)
 
 case "${1:-}" in

@@ -227,7 +227,15 @@ def render() -> dict[str, str]:
               "vision and audio towers, ...) and of the contrastive models (CLIP, SigLIP, BLIP, MetaCLIP 2).", ""]
     for model_class, types in sorted(families.HEAD_SWEEP.items()):
         index += [f"- `{model_class}` ({len(types)}): " + ", ".join(f"`{t}`" for t in types)]
-    swept = set(families.SWEEP).union(*families.HEAD_SWEEP.values(), FEATURED)
+    new_in_5_24 = [t for _, t in families.NEW_IN_5_24]
+    index += ["", f"## Model types transformers 5.24 added ({len(new_in_5_24)})", "",
+              "With transformers 5.24 installed (what a fresh install gets), each through its own auto class at world "
+              "size 3: loaded bit-exact, then saved without a gather into byte for byte the files its `save_pretrained` "
+              "writes (`tests/test_families.py`; Dory also from its original layer-pair layout): "
+              + ", ".join(f"`{t}` ({c})" for c, t in families.NEW_IN_5_24) + "."]
+    # the lists below are of transformers 5.23's types, whichever version writes or checks them
+    swept = set(families.SWEEP).union(*families.HEAD_SWEEP.values(), FEATURED, new_in_5_24,
+                                      families.NOT_SWEPT_5_24)
     index += ["", "Model types of these auto classes (other than `AutoModel`) that neither a sweep nor a card above "
               "covers, and why (`HEAD_NOT_SWEPT` in `tests/families.py`):"]
     unexplained = set()

@@ -41,6 +41,16 @@ SWEEP = (
     "xlm-roberta-xl", "xlstm", "xmod", "youtu", "zamba", "zamba2", "zaya",
 )
 SWEEP_WORLD_SIZES = (2, 3, 4)
+# model types transformers 5.24 added (swept when the installed transformers has them; the cards name SWEEP's only):
+# (auto class, model type). Dory also in its original layout, whose layer pairs 5.24's `LayerPairCollapse` renames.
+NEW_IN_5_24 = (
+    *(("AutoModelForCausalLM", t) for t in ("apertus1p5_text", "dory", "exaone", "inkling2_loop_text", "lara_mini",
+                                            "sarvam_mla", "sarvam_moe")),
+    *(("AutoModelForImageTextToText", t) for t in ("apertus1p5", "hy_v4_vl", "inkling2_loop")),
+    ("AutoModelForSpeechSeq2Seq", "omniasr"), ("AutoModelForCTC", "omniasr_ctc"), ("AutoModel", "hy_v4_vl_text"),
+)
+# and those of its new types that are parts of the ones above (not loaded on their own here)
+NOT_SWEPT_5_24 = ("apertus1p5_vision_tokenizer", "wavtokenizer", "wavtokenizer_encoder")
 # swept untied, and also tied where their own config ties the output embedding, except: zamba ties its shared
 # transformer blocks by a pattern transformers 5.23 itself rejects for 2 layers
 NOT_TIED = ("zamba",)
@@ -67,6 +77,9 @@ SIZES_FOR = {
     "gemma4_unified_text": dict(layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=97,
                                 hidden_size_per_layer_input=8, sliding_window=16),
     "kimi_linear": dict(linear_num_heads=2, linear_head_dim=16),
+    # its output rows (transformers 5.24: the unembedding holds these, the checkpoint pads it to the vocabulary)
+    "inkling2_text": dict(unpadded_vocab_size=90),
+    "inkling2_loop_text": dict(unpadded_vocab_size=90),
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"]),
     "reformer": dict(is_decoder=True, axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16],
                      attn_layers=["local", "lsh"], feed_forward_size=48, attention_head_size=16,
@@ -451,6 +464,20 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                          text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 1e8,
                                                            "mrope_section": [4, 2, 2]})),
     "deepseek_vl_hybrid": dict(high_res_vision_config=dict(SAM_SIZES, num_pos_feats=16)),
+    # transformers 5.24's (NEW_IN_5_24): token ranges inside the small vocabulary, small tokenizer towers, and
+    # rotary sections that add up to the small rotary dims
+    "apertus1p5": dict(image_token_id=3, audio_token_id=4, image_token_offset=60, audio_token_offset=76,
+                       vision_config=dict(codebook_size=16, embed_dim=8, latent_channels=8, base_channels=32,
+                                          channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=[4],
+                                          resolution=8),
+                       audio_config=dict(codebook_size=8, codebook_dim=32, num_filters=4, upsampling_ratios=[2, 2],
+                                         num_lstm_layers=1)),
+    "hy_v4_vl": dict(text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                       "mrope_section": [2, 1, 1]})),
+    "hy_v4_vl_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1]}),
+    "inkling2_loop": dict(vision_config=dict(text_hidden_size=32, projection_hidden_dim=48, posemb_grid_size=4),
+                          text_config=dict(unpadded_vocab_size=90, swa_num_attention_heads=2, swa_num_key_value_heads=1,
+                                           swa_head_dim=16, sliding_window_size=16)),
     "inkling2": dict(vision_config=dict(text_hidden_size=32, projection_hidden_dim=48, posemb_grid_size=4),
                      text_config=dict(unpadded_vocab_size=97, swa_num_attention_heads=2, swa_num_key_value_heads=1,
                                       swa_head_dim=16, sliding_window_size=16)),

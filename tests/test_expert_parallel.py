@@ -79,7 +79,7 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
 
 
 @functools.lru_cache(maxsize=None)
-def plain_load(path: str, dtype: str) -> dict:
+def _plain(path: str, dtype: str) -> tuple[dict, frozenset]:
     from transformers import AutoModelForCausalLM
 
     quantized = {}
@@ -88,7 +88,17 @@ def plain_load(path: str, dtype: str) -> dict:
 
         quantized = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **quantized)
-    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    kept = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float32 and dtype != "float32")
+    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}, kept
+
+
+def plain_load(path: str, dtype: str) -> dict:
+    return _plain(path, dtype)[0]
+
+
+def plain_fp32_params(path: str, dtype: str) -> frozenset:
+    """The parameters a plain load in `dtype` keeps in fp32 anyway."""
+    return _plain(path, dtype)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,6 +154,10 @@ def test_local_experts_and_everything_else_equal_the_plain_load(workdir, world_s
                     continue
                 source, want = expected(name, plain, ep_rank, ep)
                 covered.add(source)
+                if want.dtype != actual.dtype and source in plain_fp32_params(case["path"], case["dtype"]):
+                    # a router the plain load keeps in fp32 (`_keep_in_fp32_modules_strict`: DeepSeek-V3's from
+                    # transformers 5.24) is loaded in the engine's dtype by default, as zero.Init casts it
+                    want = want.to(getattr(torch, case["dtype"]))
                 assert actual.dtype == want.dtype and actual.shape == want.shape, f"{case['name']} {name} rank {r['rank']}"
                 assert torch.equal(actual, want), f"{case['name']} {name}: values differ on rank {r['rank']}"
             assert any(".experts.w1" in n for n in r["state"]), f"{case['name']}: no AutoEP layer on rank {r['rank']}"

@@ -17,7 +17,7 @@ import torch
 from tests.checkpoints import rewrite_checkpoint
 from tests.conftest import run_torchrun
 from tests.families import (EXTRA_FILES_FOR, HEAD_SWEEP, HEAD_SWEEP_WORLD_SIZE, SWEEP, SWEEP_WORLD_SIZES,
-                            head_checkpoint, sweep_checkpoint)
+                            head_checkpoint, small_head_config, sweep_checkpoint)
 from tests.test_saving import same_files
 
 
@@ -117,6 +117,54 @@ def test_every_family_in_the_sweep_equals_the_plain_load_through_the_staged_path
     failures = [f for case, dump in zip(cases, dumps) if (f := load_failure(case, dump))]
     failures += [f"{case['name']}: not staged" for case, dump in zip(cases, dumps)
                  if "error" not in dump["rank0"] and "staging" not in dump["rank0"]["report"]]
+    assert not failures, "\n".join(failures)
+
+
+def dory_in_its_original_layout(path: str, dst: str) -> str:
+    """Dory's checkpoint as published: each layer an attention block `layers.{2i}.mixer` and an mlp block
+    `layers.{2i+1}.mixer` (transformers 5.24's `LayerPairCollapse` renames them when loading; its save keeps its own)."""
+    def split_layers(tensors: dict) -> dict:
+        out = {}
+        for key, value in tensors.items():
+            if m := re.match(r"backbone\.layers\.(\d+)\.(self_attn|mlp|lambda_1|lambda_2)(.*)", key):
+                i, part, rest = int(m[1]), m[2], m[3]
+                key = {"self_attn": f"backbone.layers.{2 * i}.mixer", "mlp": f"backbone.layers.{2 * i + 1}.mixer",
+                       "lambda_1": f"backbone.layers.{2 * i}.attn_alpha",
+                       "lambda_2": f"backbone.layers.{2 * i + 1}.mlp_alpha"}[part] + rest
+            out[key] = value
+        return out
+
+    return rewrite_checkpoint(path, dst, split_layers)
+
+
+def test_families_new_in_transformers_5_24_load_and_save_like_plain_transformers(workdir):
+    """With transformers 5.24 installed: its new model types at W=3, loaded bit-exact and saved into the files its
+    save_pretrained writes (Inkling2-Loop's unembedding padded in the file, unpadded by a 5.24 conversion op, and
+    padded again with zeros when saved); Dory also from its original layer-pair layout."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from tests.checkpoints import make_checkpoint
+    from tests.families import NEW_IN_5_24, small_config
+
+    if not all(t in CONFIG_MAPPING_NAMES for _, t in NEW_IN_5_24):
+        pytest.skip("transformers < 5.24")
+    import transformers
+
+    cases = []
+    for model_class, t in NEW_IN_5_24:
+        config = (small_config(t) if model_class == "AutoModelForCausalLM" else small_head_config(t, model_class))
+        path = make_checkpoint(os.path.join(workdir, "new_in_5_24", t), t, config=config,
+                               model_class=getattr(transformers, model_class), sharded=True)
+        cases.append({"name": t, "path": path, "dtype": "float32", "model_class": model_class, "seed": 0,
+                      "out": os.path.join(workdir, f"new_in_5_24_{t}.pt"),
+                      "save": {"dir": os.path.join(workdir, "new_in_5_24_saved", t), "kwargs": {}, "reference": True}})
+        if t == "dory":
+            original = dory_in_its_original_layout(path, os.path.join(workdir, "new_in_5_24", "dory_original"))
+            cases.append({"name": "dory (original layout)", "path": original, "dtype": "float32", "seed": 0,
+                          "out": os.path.join(workdir, "new_in_5_24_dory_original.pt")})
+    dumps = run_torchrun(SAVE_WORLD_SIZE, cases, workdir, timeout=1500)
+    failures = [f for case, dump in zip(cases, dumps)
+                if (f := load_failure(case, dump, seed=0) or ("save" in case and save_failure(case, dump)))]
     assert not failures, "\n".join(failures)
 
 

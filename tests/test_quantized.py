@@ -98,8 +98,10 @@ _dumps: dict = {}
 def dumps(ckpts, workdir, world_size):
     if world_size not in _dumps:
         cases = [{"name": name, "path": path, "dtype": "bfloat16", "model_class": cls,
-                  # Ernie keeps its router gate in fp32 (`_keep_in_fp32_modules`): compare with the plain dtypes
-                  "kwargs": {"quantization_config": spec} if spec else {"keep_in_fp32": name.startswith("ernie")},
+                  # a plain load keeping routers in fp32 (`_keep_in_fp32_modules_strict`: Ernie's, and DeepSeek-V3's
+                  # from transformers 5.24) is compared with `keep_in_fp32=True`, which keeps the plain dtypes
+                  "kwargs": {**({"quantization_config": spec} if spec else {}),
+                             "keep_in_fp32": bool(plain_fp32_params(path, _quant_key(spec), cls))},
                   "out": os.path.join(workdir, f"quant_w{world_size}_{name.replace(' ', '_')}.pt")}
                  for name, (path, spec, cls) in ckpts.items()
                  if not (name == "ernie4_5_vl_moe" and world_size == 1)
@@ -119,14 +121,29 @@ def dumps(ckpts, workdir, world_size):
     return _dumps[world_size]
 
 
+def _quant_key(spec: dict | None) -> tuple | None:
+    return tuple(sorted(spec.items())) if spec else None
+
+
 @functools.lru_cache(maxsize=None)
-def plain(path: str, quant: tuple | None, model_class: str) -> dict:
+def _plain_load(path: str, quant: tuple | None, model_class: str) -> tuple[dict, frozenset]:
     import transformers
 
     kwargs = {"quantization_config": quantization_config(dict(quant))} if quant else {}
     model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+    fp32_params = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float32)
     return {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
-                                        *model.named_buffers(remove_duplicate=False)]}
+                                        *model.named_buffers(remove_duplicate=False)]}, fp32_params
+
+
+def plain(path: str, quant: tuple | None, model_class: str) -> dict:
+    """Every parameter and buffer of the plain (bf16) load."""
+    return _plain_load(path, quant, model_class)[0]
+
+
+def plain_fp32_params(path: str, quant: tuple | None, model_class: str) -> frozenset:
+    """The parameters the plain bf16 load keeps in fp32."""
+    return _plain_load(path, quant, model_class)[1]
 
 
 SAVED = ("fp8 deepseek_v3", "fp8 llama 128x64", "mxfp4 gpt_oss")
@@ -191,7 +208,7 @@ def test_a_dequantized_model_saves_its_dequantized_weights_in_the_checkpoints_la
                                                                                  output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (case["name"], info)
         spec = case["kwargs"].get("quantization_config")  # none: transformers dequantizes by itself (no GPU)
-        reference = plain(case["path"], tuple(sorted(spec.items())) if spec else None, case["model_class"])
+        reference = plain(case["path"], _quant_key(spec), case["model_class"])
         for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
             want = reference[name]
             assert tensor.dtype == want.dtype and torch.equal(tensor, want), f"{case['name']} {name}"
@@ -203,7 +220,7 @@ def test_dequantized_on_read_equals_the_plain_dequantized_load(ckpts, workdir, w
         got = dump["rank0"]
         assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
         spec = case["kwargs"].get("quantization_config")
-        reference = plain(case["path"], tuple(sorted(spec.items())) if spec else None, case["model_class"])
+        reference = plain(case["path"], _quant_key(spec), case["model_class"])
         assert set(got["state"]) == set(reference), case["name"]
         for name, want in reference.items():
             actual = got["state"][name]

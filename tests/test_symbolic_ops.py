@@ -345,6 +345,27 @@ OP_CASES = [
     OpCase("transpose_12_3d_bf16",
            W("w.src", "w.dst", lambda: [cml.Transpose(1, 2)]), {"w.src": [(3, 5, 7)]}, "model.w.dst", ["model.w.dst"],
            dtype=torch.bfloat16),
+    # --- ops transformers 5.24 added (Inkling2 and Inkling2Loop checkpoints) ---
+    *([OpCase("inkling2_unpad_vocab",
+              W(r"lm_head\.weight", r"lm_head.weight", lambda: [cml.Inkling2UnpadVocab()]),
+              {r"lm_head\.weight": [(11, 5)]}, "lm_head.weight", ["lm_head.weight"],
+              config=plain_config(unpadded_vocab_size=7), model_shapes={"lm_head.weight": (7, 5)}),
+       OpCase("inkling2_unpad_vocab_already_unpadded",  # fewer rows than `unpadded_vocab_size`: kept whole
+              W(r"lm_head\.weight", r"lm_head.weight", lambda: [cml.Inkling2UnpadVocab()]),
+              {r"lm_head\.weight": [(11, 5)]}, "lm_head.weight", ["lm_head.weight"],
+              config=plain_config(unpadded_vocab_size=200058), model_shapes={"lm_head.weight": (11, 5)}),
+       OpCase("inkling2_loop_merge_message_queries",
+              W([r"middle_cycle_cross_pass_queries", r"middle_cycle_cross_pass_kv_queries"], r"message_input.query",
+                lambda: [cml.Inkling2LoopMergeMessageQueries()]),
+              {r"middle_cycle_cross_pass_queries": [(6, 5)], r"middle_cycle_cross_pass_kv_queries": [(6, 5)]},
+              "model.message_input.query", ["model.message_input.query"]),
+       OpCase("inkling2_loop_unquantized_experts_interleave",  # as `save_pretrained` writes them: no scales
+              W([r"mlp\.experts\.w13_weight", r"mlp\.experts\.w13_weight_scale", r"mlp\.experts\.w13_weight_amax",
+                 r"mlp\.experts\.w13_weight_outer_scale_denominator"], r"mlp.experts.gate_up_proj",
+                lambda: [cml.Inkling2LoopDequantizeExperts(), cml.Interleave(dim=1)]),
+              {r"mlp\.experts\.w13_weight": [(3, 10, 7)]},
+              L0 + "mlp.experts.gate_up_proj", [L0 + "mlp.experts.gate_up_proj"])]
+      if hasattr(cml, "Inkling2UnpadVocab") else []),
 ]
 
 
@@ -590,7 +611,13 @@ def _unsupported_cases():
         ("CustomScaleOp", "my_custom_model", custom, {"w.fused": [(6, 5)]}),
         ("SplitModulelist", "some_model", split_modulelist, {"mlp.experts.down_proj": [(3, 5, 7)]}),
         ("LinearToConv3d", "qwen2_vl", linear_to_conv, {"linear_proj.weight": [(5, 54)]}),
-    ]
+    ] + ([("Inkling2LoopDequantizeExperts", "inkling2_loop_text",  # NVFP4 experts of an original checkpoint
+           cml.WeightConverter([r"mlp\.experts\.w2_weight", r"mlp\.experts\.w2_weight_scale",
+                                r"mlp\.experts\.w2_weight_amax", r"mlp\.experts\.w2_weight_outer_scale_denominator"],
+                               r"mlp.experts.down_proj", operations=[cml.Inkling2LoopDequantizeExperts()]),
+           {r"mlp\.experts\.w2_weight": [(3, 5, 4)], r"mlp\.experts\.w2_weight_scale": [(3, 5, 1)],
+            r"mlp\.experts\.w2_weight_amax": [(3,)], r"mlp\.experts\.w2_weight_outer_scale_denominator": [(1,)]})]
+         if hasattr(cml, "Inkling2LoopDequantizeExperts") else [])
 
 
 @pytest.mark.parametrize("op_name,model_type,converter,sources", _unsupported_cases(),

@@ -1,4 +1,4 @@
-"""Symbolic versions of transformers' conversion ops (`transformers.core_model_loading`, 5.23).
+"""Symbolic versions of transformers' conversion ops (`transformers.core_model_loading`, 5.23 and 5.24).
 
 Each rule takes the same `input_dict` a real op gets (pattern -> list of tensors, or tensor), but holding
 `Sym`s, and returns the same output keys with `Sym`s whose mappers say where every element comes from.
@@ -275,6 +275,60 @@ def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
     return {key: src}
 
 
+def _refuse_inverse(op) -> None:
+    if getattr(op, "inverse", False):  # loading mappings run these forwards only
+        raise UnsupportedConversionError(f"{type(op).__name__}(inverse=True) has no shard-on-read rule")
+
+
+def _inkling2_unpad_vocab(op, inputs, source_patterns, target_patterns, ctx):
+    """Inkling2UnpadVocab (transformers 5.24): the first `unpadded_vocab_size` rows of the padded unembedding."""
+    _refuse_inverse(op)
+    src = _first(next(iter(inputs.values())))
+    rows = ctx["config"].get_text_config().unpadded_vocab_size
+    _check(len(src.shape) >= 1 and rows >= 0,
+           f"Inkling2UnpadVocab: unpadded_vocab_size {rows} does not fit the checkpoint's {tuple(src.shape)}")
+    # `tensor[:rows]`, as the real op slices: a checkpoint with fewer rows (unpadded already) is kept whole
+    rows = min(rows, src.shape[0])
+    padded = ctx.get("zero_padded")
+    if padded is not None and src.key is not None and rows < src.shape[0]:  # a save pads these rows with zeros
+        padded[src.key] = rows * math.prod(src.shape[1:])
+    return {target_patterns[0]: slice_along(src, 0, 0, rows)}
+
+
+def _inkling2_loop_merge_message_queries(op, inputs, source_patterns, target_patterns, ctx):
+    """Inkling2LoopMergeMessageQueries (transformers 5.24): two (2L, H) query tensors, [query, mlp] and [key, value]
+    of each loop layer, become one (L, 4, H) of [query, key, value, mlp]."""
+    _refuse_inverse(op)
+    _check(all(p in inputs for p in source_patterns[:2]),
+           f"Inkling2LoopMergeMessageQueries: expected {source_patterns[:2]}, found {list(inputs)}")
+    queries, kv_queries = (_first(inputs[p]) for p in source_patterns[:2])
+    _check(len(queries.shape) == 2 and queries.shape == kv_queries.shape and queries.shape[0] % 2 == 0,
+           f"Inkling2LoopMergeMessageQueries: shapes {queries.shape} and {kv_queries.shape}")
+    layers, hidden = queries.shape[0] // 2, queries.shape[1]
+    q, kv = (Sym((layers, 2, hidden), mapper=Same(s)) for s in (queries, kv_queries))  # unflatten(0, (-1, 2))
+    shape = (layers, 4, hidden)
+    pieces = [Piece(q, 0, 1, 2), Piece(kv, 0, 2, 2), Piece(q, 1, 1, 2)]  # cat([q[:, :1], kv, q[:, 1:]], dim=1)
+    return {target_patterns[0]: Sym(shape, mapper=Concat(1, shape, pieces))}
+
+
+def _inkling2_loop_dequantize_experts(op, inputs, source_patterns, target_patterns, ctx):
+    """Inkling2LoopDequantizeExperts (transformers 5.24): unquantized experts (one tensor, as `save_pretrained`
+    writes them) pass through; the NVFP4 / MXFP8 experts of the original checkpoints have no shard-on-read rule."""
+    if len(inputs) != 1:
+        raise UnsupportedConversionError(
+            f"Inkling2LoopDequantizeExperts of {ctx['full_layer_name']}: NVFP4 / MXFP8 experts (model type "
+            f"{ctx['model_type']!r}) have no shard-on-read rule; load a checkpoint saved with them dequantized")
+    return {target_patterns[0]: _first(next(iter(inputs.values())))}
+
+
+def _version_rules() -> dict:
+    """Rules for ops that only some supported transformers versions have."""
+    rules = {"Inkling2UnpadVocab": _inkling2_unpad_vocab,
+             "Inkling2LoopMergeMessageQueries": _inkling2_loop_merge_message_queries,
+             "Inkling2LoopDequantizeExperts": _inkling2_loop_dequantize_experts}
+    return {getattr(cml, name): rule for name, rule in rules.items() if hasattr(cml, name)}
+
+
 def _quantizer_rules() -> dict:
     """The dequantize ops transformers' quantizers put first in a chain (loading with `dequantize=True`)."""
     rules = {"fp8": _fp8_dequantize, "mxfp4": _mxfp4_dequantize}
@@ -292,6 +346,7 @@ RULES = {
     cml.Conv3dToLinear: _conv3d_to_linear,
     cml.ErnieFuseAndSplitTextVisionExperts: _ernie_fuse_and_split,
     cml.VisionFuseAndPermuteForRope: _vision_fuse_and_permute_for_rope,
+    **_version_rules(),
     **_quantizer_rules(),
 }
 

@@ -210,6 +210,9 @@ class Resolution:
     mismatched_keys: set[tuple[str, tuple, tuple]]
     used_mapping: list
     inputs: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # target -> source pattern -> keys
+    # checkpoint key -> its leading elements the model holds: the rest is padding a conversion drops when loading
+    # and whose reverse writes zeros when saving (Inkling2's padded unembedding)
+    zero_padded: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,7 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
         "dtype_of": lambda name: meta_state[name].dtype if name in meta_state else None,
         "entry": lambda key: checkpoint.entries[key],
         "computed": {},  # dequantize rules register the tensors they compute (dequantize.Computation)
+        "zero_padded": {},  # rules whose reverse pads with zeros register the elements they keep
     }
     converted: dict[str, tuple[Sym, torch.dtype]] = {}
     mismatched: set[tuple[str, tuple, tuple]] = set()
@@ -313,7 +317,7 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
         _refuse_failed_conversions(failed, meta_state)
     for key, computation in ctx["computed"].items():
         checkpoint.computed[key] = computation.resolve(checkpoint.entries)
-    return Resolution(converted, unexpected, mismatched, used, inputs)
+    return Resolution(converted, unexpected, mismatched, used, inputs, ctx["zero_padded"])
 
 
 def _refuse_weights_that_are_not_tensors(checkpoint: Checkpoint, renamings, converters, prefix, meta_state) -> None:
