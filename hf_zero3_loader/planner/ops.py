@@ -275,14 +275,15 @@ def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
     return {key: src}
 
 
-def _refuse_inverse(op) -> None:
+def _refuse_inverse(op, ctx) -> None:
     if getattr(op, "inverse", False):  # loading mappings run these forwards only
-        raise UnsupportedConversionError(f"{type(op).__name__}(inverse=True) has no shard-on-read rule")
+        raise UnsupportedConversionError(f"{type(op).__name__}(inverse=True) (model type {ctx['model_type']!r}) has no "
+                                         "shard-on-read rule")
 
 
 def _inkling2_unpad_vocab(op, inputs, source_patterns, target_patterns, ctx):
     """Inkling2UnpadVocab (transformers 5.24): the first `unpadded_vocab_size` rows of the padded unembedding."""
-    _refuse_inverse(op)
+    _refuse_inverse(op, ctx)
     src = _first(next(iter(inputs.values())))
     rows = ctx["config"].get_text_config().unpadded_vocab_size
     _check(len(src.shape) >= 1 and rows >= 0,
@@ -298,7 +299,7 @@ def _inkling2_unpad_vocab(op, inputs, source_patterns, target_patterns, ctx):
 def _inkling2_loop_merge_message_queries(op, inputs, source_patterns, target_patterns, ctx):
     """Inkling2LoopMergeMessageQueries (transformers 5.24): two (2L, H) query tensors, [query, mlp] and [key, value]
     of each loop layer, become one (L, 4, H) of [query, key, value, mlp]."""
-    _refuse_inverse(op)
+    _refuse_inverse(op, ctx)
     _check(all(p in inputs for p in source_patterns[:2]),
            f"Inkling2LoopMergeMessageQueries: expected {source_patterns[:2]}, found {list(inputs)}")
     queries, kv_queries = (_first(inputs[p]) for p in source_patterns[:2])
