@@ -189,7 +189,8 @@ def _verify(args) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size,
                         load_kwargs=_load_kwargs(args),
-                        expert_parallel=json.loads(args.expert_parallel) if args.expert_parallel else None)
+                        expert_parallel=json.loads(args.expert_parallel) if args.expert_parallel else None,
+                        keep_in_fp32=args.keep_in_fp32)
     if args.json:
         print(json.dumps(report, indent=2))
     elif "error" in report:
@@ -205,6 +206,10 @@ def _verify(args) -> int:
             print(f"{len(report['left_by_init'])} missing tensors that the model's own init never writes are zeros "
                   "here (a plain load leaves uninitialised memory in them): "
                   + ", ".join(report["left_by_init"][:8]))
+        if report.get("in_engine_dtype"):
+            print(f"{len(report['in_engine_dtype'])} parameters the plain load keeps in another dtype are in "
+                  f"{report['dtype']} here, equal to its values cast (--keep-in-fp32 keeps its dtypes): "
+                  + ", ".join(report["in_engine_dtype"][:8]))
     return 0 if report.get("ok") else 1
 
 
@@ -237,6 +242,8 @@ def main(argv=None) -> int:
                         help='JSON: more of DeepSpeed\'s expert_parallel section, e.g. \'{"preset_model": "qwen3_moe"}\' '
                              "for a model type without an AutoEP preset")
     verify.add_argument("--model-class", default="AutoModelForCausalLM")
+    verify.add_argument("--keep-in-fp32", action="store_true",
+                        help="load with keep_in_fp32=True: parameters the plain load keeps in fp32 stay in fp32")
     verify.add_argument("--json", action="store_true")
     add_location_arguments(verify)
     sub.add_parser("bench", help="run scripts/bench_load.py (arguments are passed through)")

@@ -5,6 +5,8 @@ The command launches `torchrun --nproc_per_node W -m hf_zero3_loader.verify ...`
 plain way (so it needs the whole model's memory once) and compares each parameter and buffer, gathered one at a
 time, for dtype, shape and bits. Exit status 0 when all are equal. Missing parameters the model's own init never writes
 (uninitialised memory in the plain load; see `missing_init.UnwrittenWatch`) are checked to be zeros and listed apart.
+Parameters the plain load keeps in another float dtype (`_keep_in_fp32_modules`) load in the engine's dtype unless
+`keep_in_fp32` is passed (the documented default): they are compared with the plain values cast to it, and listed.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import sys
 
 def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_class: str = "AutoModelForCausalLM",
            ep_size: int | None = None, timeout: float = 3600, load_kwargs: dict | None = None,
-           expert_parallel: dict | None = None) -> dict:
+           expert_parallel: dict | None = None, keep_in_fp32: bool = False) -> dict:
     """Run the verification in `world_size` fresh processes; return rank 0's report. `load_kwargs` go to both
     loads (where the checkpoint is and which code builds it: subfolder, revision, variant, trust_remote_code...).
-    `expert_parallel`: more of DeepSpeed's section of that name with `ep_size` (a `preset_model`, custom patterns)."""
+    `expert_parallel`: more of DeepSpeed's section of that name with `ep_size` (a `preset_model`, custom patterns).
+    `keep_in_fp32`: our load's keyword of that name."""
     import tempfile
 
     with socket.socket() as s:
@@ -35,6 +38,7 @@ def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_clas
                "--dtype", dtype, "--model-class", model_class, "--load-kwargs", json.dumps(load_kwargs or {})]
         cmd += ["--ep-size", str(ep_size)] if ep_size else []
         cmd += ["--expert-parallel", json.dumps(expert_parallel)] if expert_parallel else []
+        cmd += ["--keep-in-fp32"] if keep_in_fp32 else []
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         if not os.path.exists(out):
@@ -102,7 +106,8 @@ def _worker(args) -> None:
     dequantize = dequantize_config(args.checkpoint, load_kwargs)
     if dequantize is not None:  # ZeRO-3 trains dequantized weights: both loads dequantize (else a GPU keeps FP8)
         load_kwargs["quantization_config"] = dequantize
-    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config, **load_kwargs)
+    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config,
+                                            keep_in_fp32=args.keep_in_fp32, **load_kwargs)
     ep = model.hf_zero3_load_report.expert_parallel
     plain = None
     if rank == 0 or ep:  # under EP every rank checks its own experts
@@ -111,7 +116,8 @@ def _worker(args) -> None:
         plain = {n: t.detach() for n, t in [*reference.named_parameters(), *reference.named_buffers()]}
     # missing params the model's init never writes: uninitialised memory in the plain load, zeros in ours (by design)
     left_by_init = set(model.hf_zero3_load_report.init.left_by_init)
-    problems, compared = [], 0
+    in_engine_dtype = not args.keep_in_fp32  # the documented default for `_keep_in_fp32_modules` parameters
+    problems, compared, cast = [], 0, []
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
             if plain is None or (rank != 0 and ".experts.w" not in name):
@@ -123,6 +129,9 @@ def _worker(args) -> None:
                     problems.append(f"{name}: left by the model's init, yet not zeros")
             elif want is None:
                 problems.append(f"{name}: not in the plain load")
+            elif (in_engine_dtype and got.dtype == dtype and want.dtype != dtype and want.is_floating_point()
+                  and got.shape == want.shape and torch.equal(got, want.to(dtype))):
+                cast.append(name)  # kept in another dtype by the plain load; equal once cast to the engine's
             elif got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
                 problems.append(f"{name}: {got.dtype}{tuple(got.shape)} differs from the plain load's "
                                 f"{want.dtype}{tuple(want.shape)}")
@@ -139,12 +148,13 @@ def _worker(args) -> None:
                 if b.dtype != want.dtype or not torch.equal(b.cpu(), want):
                     problems.append(f"{name} (buffer) differs from the plain load")
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {"rank": rank, "compared": compared, "problems": problems})
+    dist.all_gather_object(everyone, {"rank": rank, "compared": compared, "problems": problems, "cast": cast})
     if rank == 0:
         report = {"ok": not any(r["problems"] for r in everyone), "world_size": dist.get_world_size(),
                   "ep_size": args.ep_size or 1, "checkpoint": args.checkpoint, "dtype": args.dtype,
                   "compared": sum(r["compared"] for r in everyone),
                   "problems": [p for r in everyone for p in r["problems"]], "left_by_init": sorted(left_by_init),
+                  "in_engine_dtype": sorted({n for r in everyone for n in r["cast"]}),
                   "load": model.hf_zero3_load_report.summary()}
         with open(args.out, "w") as f:
             json.dump(report, f)
@@ -163,4 +173,5 @@ if __name__ == "__main__":
     ap.add_argument("--ep-size", type=int, default=None)
     ap.add_argument("--expert-parallel", default="{}", help="JSON: more of DeepSpeed's expert_parallel section")
     ap.add_argument("--load-kwargs", default="{}", help="JSON: from_pretrained keywords for both loads")
+    ap.add_argument("--keep-in-fp32", action="store_true", help="our load keeps the plain load's dtypes")
     _worker(ap.parse_args())

@@ -121,6 +121,28 @@ def test_verify_compares_a_real_load_with_the_plain_one(workdir):
         assert report["ok"] and report["compared"] >= 27 and not report["problems"], report
 
 
+def test_verify_compares_a_router_the_plain_load_keeps_in_fp32_in_the_engines_dtype(workdir):
+    """GLM-4.5 MoE's router, which transformers 5.24 keeps in fp32 (`_keep_in_fp32_modules_strict`; 5.23 does not):
+    loaded in the engine's dtype by default (as zero.Init casts it), it equals the plain values cast, and is listed;
+    with `keep_in_fp32` it equals them in fp32."""
+    path = make_checkpoint(os.path.join(workdir, "ep_glm4_moe"), "glm4_moe", config=ep_config("glm4_moe"))
+    ep = ("--ep-size", "2", "--expert-parallel", '{"preset_model": "deepseek_v3"}')
+    for args, kept in ((ep, False), ((), True)):
+        keep = ("--keep-in-fp32",) if kept else ()
+        result = _cli("verify", path, "--world-size", "2", *args, *keep, "--json")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads(result.stdout)
+        assert report["ok"] and not report["problems"], report
+        routers = [n for n in report["in_engine_dtype"] if "gate.weight" in n]
+        assert not (kept and report["in_engine_dtype"]) and (kept or bool(routers) == _keeps_router_in_fp32()), report
+
+
+def _keeps_router_in_fp32() -> bool:
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoePreTrainedModel
+
+    return "gate.weight" in (Glm4MoePreTrainedModel._keep_in_fp32_modules_strict or [])
+
+
 def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_autoep_preset(workdir):
     """MiniMax-M2 has no DeepSpeed AutoEP preset; a config naming one of the same structure gives it EP in `plan`
     (its `--ds-config`) and in `verify` (`--expert-parallel`), as in a load. Without it, `plan` says how to name it."""
