@@ -227,7 +227,8 @@ def test_other_heads_load_and_save_like_plain_transformers(workdir, model_class)
 MISSING_BUDGET = 4096  # bytes: far below a layer, so modules are initialised in many chunks, and some param by param
 # tensors a plain load leaves as uninitialised memory when they are missing (the model's `_init_weights` never sets
 # them); ours come out as zeros, the same on every rank
-LEFT_UNINITIALISED = {"apertus": r"\.act_fn\.", "openai-gpt": r"\.(c_attn|c_proj|c_fc)\.",
+LEFT_UNINITIALISED = {"apertus": r"\.act_fn\.", "apertus1p5_text": r"\.act_fn\.",  # (transformers 5.24's: fuzz.py)
+                      "openai-gpt": r"\.(c_attn|c_proj|c_fc)\.",
                       "pe_audio": r"^text_audio_logit_scale$"}  # (a head-sweep type: met by scripts/fuzz.py)
 # and in any family: a weight-norm parametrization's originals (transformers' inits write the computed `weight`)
 LEFT_UNINITIALISED_ANY = r"\.parametrizations\.weight\.original[01]$"
