@@ -53,10 +53,13 @@ def checkpoint(workdir: str, family: str) -> str:
     return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family))
 
 
-# world size -> [(family, ep_size, engine dtype[, the structure the config names, if not the family's own])]
+# world size -> [(family, ep_size, engine dtype[, the structure the config names if not the family's own (or None),
+#                 keywords for the load])]
 RUNS = {
     2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32"),
-        ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16")],
+        ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16"),
+        # the router transformers 5.24 keeps in fp32 stays fp32 with keep_in_fp32=True, dequantized from FP8 too
+        (FP8, 2, "bfloat16", None, {"keep_in_fp32": True})],
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
         (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
@@ -68,12 +71,15 @@ _dumps: dict = {}
 
 def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
     if world_size not in _dumps:
-        cases = [{"name": f"{family}/ep{ep}/{dtype}" + ("/patterns" if structure else ""), "family": family,
-                  "ep_size": ep, "path": checkpoint(workdir, family), "dtype": dtype,
-                  "ds_config": ep_ds_config(ep, dtype, family, *structure), "all_ranks_state": True,
-                  "kwargs": {"quantization_config": DEQUANTIZE} if family == FP8 else {},
-                  "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{'_p' if structure else ''}.pt")}
-                 for family, ep, dtype, *structure in RUNS[world_size]]
+        cases = []
+        for family, ep, dtype, *extra in RUNS[world_size]:
+            structure, kwargs = (extra + [None, {}])[:2]
+            tag = ("/patterns" if structure else "") + "".join(f"/{k}" for k in kwargs)
+            cases.append({"name": f"{family}/ep{ep}/{dtype}{tag}", "family": family, "ep_size": ep,
+                          "path": checkpoint(workdir, family), "dtype": dtype,
+                          "ds_config": ep_ds_config(ep, dtype, family, structure), "all_ranks_state": True,
+                          "kwargs": {**({"quantization_config": DEQUANTIZE} if family == FP8 else {}), **kwargs},
+                          "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{tag.replace('/', '_')}.pt")})
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
     return _dumps[world_size]
 
@@ -154,7 +160,8 @@ def test_local_experts_and_everything_else_equal_the_plain_load(workdir, world_s
                     continue
                 source, want = expected(name, plain, ep_rank, ep)
                 covered.add(source)
-                if want.dtype != actual.dtype and source in plain_fp32_params(case["path"], case["dtype"]):
+                if (want.dtype != actual.dtype and source in plain_fp32_params(case["path"], case["dtype"])
+                        and not case["kwargs"].get("keep_in_fp32")):
                     # a router the plain load keeps in fp32 (`_keep_in_fp32_modules_strict`: DeepSeek-V3's from
                     # transformers 5.24) is loaded in the engine's dtype by default, as zero.Init casts it
                     want = want.to(getattr(torch, case["dtype"]))
