@@ -73,7 +73,7 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
     if world_size not in _dumps:
         cases = []
         for family, ep, dtype, *extra in RUNS[world_size]:
-            structure, kwargs = (extra + [None, {}])[:2]
+            structure, kwargs = (extra[0] if extra else None), (extra[1] if len(extra) > 1 else {})
             tag = ("/patterns" if structure else "") + "".join(f"/{k}" for k in kwargs)
             cases.append({"name": f"{family}/ep{ep}/{dtype}{tag}", "family": family, "ep_size": ep,
                           "path": checkpoint(workdir, family), "dtype": dtype,
