@@ -576,7 +576,9 @@ def run_nvme(args, rng) -> list[str]:
         ds_config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << (21 if args.world_size > 1 else 22)
         cases.append({"name": f"{family}#{i} {dtype} from {str(saved_as)[6:]}", "path": path, "dtype": dtype,
                       "seed": 0, "ds_config": ds_config,
-                      "kwargs": {"staging_bytes": rng.choice([1 << 20, 3 << 20, 64 << 20])},
+                      # keep_in_fp32: the plain load's dtypes for `_keep_in_fp32_modules` (DeepSeek-V3's router
+                      # from transformers 5.24), which stay on the host, outside the swapper's dtype
+                      "kwargs": {"staging_bytes": rng.choice([1 << 20, 3 << 20, 64 << 20]), "keep_in_fp32": True},
                       "out": os.path.join(args.workdir, "out", f"nvme_{args.seed}_{i}_w{args.world_size}.pt")})
     failures = []
     for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
