@@ -150,13 +150,14 @@ def verification() -> dict:
         add(cases_by_path[path], f"world size 2: `{name}` equal to the plain load (or refused alike on every rank)",
             "tests/test_missing_and_guards.py")
     for world, runs in test_expert_parallel.RUNS.items():
-        for family, ep, dtype, *patterns in runs:
+        for family, ep, dtype, *extra in runs:
             fp8 = " (an FP8 checkpoint, dequantized on read)" if family == test_expert_parallel.FP8 else ""
-            named = patterns[0] if patterns else test_expert_parallel.EP_NAMED_STRUCTURE.get(family, {})
+            named = extra[0] if extra and extra[0] else test_expert_parallel.EP_NAMED_STRUCTURE.get(family, {})
             named = (f" (preset `{named['preset_model']}` named in the config)" if "preset_model" in named else
                      " (custom AutoEP patterns in the config)" if named else "")
+            keywords = "".join(f", {k}={v!r}" for k, v in (extra[1] if len(extra) > 1 else {}).items())
             add(family.removesuffix("_fp8"), f"expert parallelism: world size {world}, ep_size {ep}, {dtype}{fp8}"
-                f"{named}: local experts equal the plain load's slices, everything else equal",
+                f"{named}{keywords}: local experts equal the plain load's slices, everything else equal",
                 "tests/test_expert_parallel.py")
     for world, family, ep in test_expert_parallel.TRAINED:
         add(family, f"expert parallelism: 3 AdamW steps at world size {world}, ep_size {ep} equal DeepSpeed's "
