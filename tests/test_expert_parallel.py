@@ -4,7 +4,8 @@ the world, equals plain; each rank reads only its share; training equals DeepSpe
 
 Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 4, with ep_size equal to the world
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
-it ships (FP8), dequantized on read into the local experts. Model types without a preset whose config names their
+it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where
+transformers 5.24 keeps its router in fp32). Model types without a preset whose config names their
 structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
 GLM-4.5 (MoE), MiniMax-M2 and Granite-MoE (which no preset fits), one of them trained against engine-side AutoEP.
 """
