@@ -13,6 +13,7 @@ import pytest
 
 from tests.checkpoints import ep_config, make_checkpoint
 from tests.conftest import ROOT, python_path
+from tests.test_expert_parallel import plain_fp32_params
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -134,13 +135,8 @@ def test_verify_compares_a_router_the_plain_load_keeps_in_fp32_in_the_engines_dt
         report = json.loads(result.stdout)
         assert report["ok"] and not report["problems"], report
         routers = [n for n in report["in_engine_dtype"] if "gate.weight" in n]
-        assert not (kept and report["in_engine_dtype"]) and (kept or bool(routers) == _keeps_router_in_fp32()), report
-
-
-def _keeps_router_in_fp32() -> bool:
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoePreTrainedModel
-
-    return "gate.weight" in (Glm4MoePreTrainedModel._keep_in_fp32_modules_strict or [])
+        kept_by_plain = any("gate.weight" in n for n in plain_fp32_params(path, "bfloat16"))
+        assert not (kept and report["in_engine_dtype"]) and (kept or bool(routers) == kept_by_plain), report
 
 
 def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_autoep_preset(workdir):
