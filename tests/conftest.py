@@ -18,6 +18,12 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
 
 
+def params_kept_in_fp32(model, dtype: torch.dtype) -> frozenset:
+    """The parameters a plain load in `dtype` kept in fp32 anyway (`_keep_in_fp32_modules[_strict]`, e.g. DeepSeek-V3's
+    router from transformers 5.24): found from the loaded model itself, not from the class attributes."""
+    return frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float32 and dtype != torch.float32)
+
+
 def python_path() -> str:
     """The repo first, then whatever PYTHONPATH the suite runs with (e.g. packages carried to a GPU machine)."""
     return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)

@@ -21,7 +21,7 @@ import torch
 
 from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config, fp8_checkpoint,
                                make_checkpoint)
-from tests.conftest import run_torchrun
+from tests.conftest import params_kept_in_fp32, run_torchrun
 from tests.dist_worker import ds_config_for
 
 # DeepSpeed's grouped GEMM on CPU needs 16-byte strides, which these odd sizes do not have: its loop runs instead
@@ -95,8 +95,8 @@ def _plain(path: str, dtype: str) -> tuple[dict, frozenset]:
 
         quantized = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **quantized)
-    kept = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float32 and dtype != "float32")
-    return {n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]}, kept
+    return ({n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]},
+            params_kept_in_fp32(model, getattr(torch, dtype)))
 
 
 def plain_load(path: str, dtype: str) -> dict:

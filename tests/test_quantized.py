@@ -16,7 +16,7 @@ import torch
 
 from tests.checkpoints import (ernie4_5_vl_moe_config, fp8_checkpoint, gguf_checkpoint, gpt_oss_config,
                                make_checkpoint, mxfp4_checkpoint, pickled_checkpoint)
-from tests.conftest import run_torchrun
+from tests.conftest import params_kept_in_fp32, run_torchrun
 from tests.dist_worker import quantization_config
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -131,7 +131,7 @@ def _plain_load(path: str, quant: tuple | None, model_class: str) -> tuple[dict,
 
     kwargs = {"quantization_config": quantization_config(dict(quant))} if quant else {}
     model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.bfloat16, **kwargs)
-    fp32_params = frozenset(n for n, p in model.named_parameters() if p.dtype == torch.float32)
+    fp32_params = params_kept_in_fp32(model, torch.bfloat16)
     return {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
                                         *model.named_buffers(remove_duplicate=False)]}, fp32_params
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.checkpoints import ep_config, make_checkpoint
-from tests.conftest import run_nodes, run_ranks, run_torchrun
+from tests.conftest import params_kept_in_fp32, run_nodes, run_ranks, run_torchrun
 from tests.dist_worker import ds_config_for
 from tests.test_expert_parallel import ep_ds_config, expected
 
@@ -105,8 +105,7 @@ def test_saved_folder_loads_back_as_the_trained_model_and_equals_plain_save_pret
             # a router the plain load keeps in fp32 (`_keep_in_fp32_modules_strict`: DeepSeek-V3's from transformers
             # 5.24) is trained and saved in the engine's dtype: compared, and saved for reference, in that dtype
             engine_dtype = getattr(torch, case["dtype"])
-            kept = {n for n, p in model.named_parameters()
-                    if p.dtype == torch.float32 and engine_dtype != torch.float32}
+            kept = params_kept_in_fp32(model, engine_dtype)
             for r in dump["ranks"]:  # each rank gathered its own experts (over its expert-data-parallel group)
                 ep_rank = r["rank"] % case["ep_size"]
                 for name, actual in r["trained_state"].items():
