@@ -4,6 +4,8 @@
 #   bash scripts/dev.sh test     # the test suite (extra arguments go to pytest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python -c "import sys; sys.exit(sys.version_info < (3, 11))" \
+  || { echo "Python 3.11 or newer is needed (transformers 5 requires it); found $(python -V 2>&1)" >&2; exit 2; }
 # The CPU build of torch first: an unpinned torch (pulled by deepspeed) would fetch GBs of CUDA packages.
 python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
   || pip install -q torch==2.13.0
