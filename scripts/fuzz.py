@@ -74,10 +74,16 @@ def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, fami
     out = []
     for i in range(n):
         family = rng.choice(families or FAMILIES)
-        # a causal LM is saved as one and loaded through `model_class` (a base model, a new head); a type no causal
-        # LM class knows (a text model only AutoModel knows, a classifier) is saved through `model_class` itself
-        built_by = None if family in SWEEP else getattr(transformers, model_class)
-        config = small_config(family) if built_by is None else small_head_config(family, model_class)
+        # a causal LM is saved as one and loaded through `model_class` (a base model, a new head) where that class
+        # knows the config the causal LM saves; a type no causal LM class knows (a text model only AutoModel knows,
+        # a classifier), or one whose causal LM saves a config `model_class` does not know (Qwen3.5's text config,
+        # for ImageTextToText), is saved through `model_class` itself
+        auto_class = getattr(transformers, model_class)
+        causal = small_config(family) if family in SWEEP else None
+        saved_config = (transformers.AutoModelForCausalLM._model_mapping[type(causal)].config_class
+                        if causal is not None else None)
+        built_by = None if saved_config in auto_class._model_mapping else auto_class
+        config = causal if built_by is None else small_head_config(family, model_class)
         sizes = dict(intermediate_size=rng.choice([37, 50, 64]), moe_intermediate_size=rng.choice([13, 22, 29]),
                      num_experts=rng.choice([3, 5, 6]), num_local_experts=rng.choice([3, 5, 6]),
                      n_routed_experts=rng.choice([3, 5, 6]), vocab_size=rng.choice([89, 101, 128]),
@@ -180,12 +186,20 @@ def engine_dtype(args, kwargs: dict | None = None) -> dict:
 
 
 def families_for(args) -> list[str] | None:
-    """--families, or the default ones, that the --model-class auto class knows."""
+    """--families that the --model-class auto class knows; without --families, the default ones it knows and the
+    head sweep's types for it (tests/families.HEAD_SWEEP: most heads know none of the default causal LMs)."""
     if args.model_class == "AutoModelForCausalLM":
         return args.families
+    from tests.families import HEAD_SWEEP
     from tests.test_families import known_to
 
-    return list(known_to(args.model_class, args.families or FAMILIES))
+    if args.families:
+        families = list(known_to(args.model_class, args.families))
+    else:
+        families = list(known_to(args.model_class, FAMILIES)) + list(HEAD_SWEEP.get(args.model_class, ()))
+    if not families:  # never fall back to types the class cannot load: every case would only "fail as upstream"
+        raise SystemExit(f"no model type {'in --families ' if args.families else ''}is known to {args.model_class}")
+    return list(dict.fromkeys(families))
 
 
 def run_configs(args, rng) -> list[str]:
