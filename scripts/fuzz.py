@@ -177,12 +177,12 @@ def explain(failures: list[str], cases: list[dict]) -> list[str]:
 
 
 def engine_dtype(args, kwargs: dict | None = None) -> dict:
-    """A case's engine dtype (--dtype) and the plain load's to compare with. In a bf16 or fp16 engine
-    `keep_in_fp32=True` keeps `_keep_in_fp32_modules` in fp32 as the plain load does, so they compare bit for bit
-    (by default those load in the engine's dtype, with a warning)."""
-    if args.dtype != "float32":
-        kwargs = {**(kwargs or {}), "keep_in_fp32": True}
-    return {"dtype": args.dtype, "plain_dtype": args.dtype, **({"kwargs": kwargs} if kwargs else {})}
+    """A case's engine dtype (--dtype) and the plain load's to compare with. `keep_in_fp32=True` keeps parameters
+    whose dtype is not the engine's as the plain load does, so they compare bit for bit: `_keep_in_fp32_modules` in a
+    bf16 or fp16 engine, and a float64 parameter in any engine (OneFormer's `criterion.logit_scale`, made from a numpy
+    float64). By default those load in the engine's dtype, with a warning, as zero.Init casts them."""
+    kwargs = {**(kwargs or {}), "keep_in_fp32": True}
+    return {"dtype": args.dtype, "plain_dtype": args.dtype, "kwargs": kwargs}
 
 
 def families_for(args) -> list[str] | None:
