@@ -57,9 +57,10 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "minimax", "qwen2_
 def _save_random(config, path: str, dtype, seed: int, shard: str, model_class=None) -> str:
     """The tests' checkpoint maker (random weights perturbed, so that mix-ups show), at a random shard size."""
     from tests.checkpoints import make_checkpoint
+    from tests.families import with_extra_files
 
-    return make_checkpoint(path, config.model_type, dtype=dtype, seed=seed, config=config, max_shard_size=shard,
-                           model_class=model_class)
+    return with_extra_files(make_checkpoint(path, config.model_type, dtype=dtype, seed=seed, config=config,
+                                            max_shard_size=shard, model_class=model_class), config.model_type)
 
 
 def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, families=None,
@@ -465,8 +466,10 @@ def run_save(args, rng) -> list[str]:
         cases.append({"name": f"{name} {kwargs} after {steps} steps", "path": src, "dtype": "float32",
                       "model_class": args.model_class,
                       # the grouped-GEMM experts need 16-byte strides on CPU, which these odd sizes lack (as in
-                      # tests/test_saving.py): the eager experts train here
-                      "train_steps": steps, "kwargs": {"experts_implementation": "eager"} if steps else {},
+                      # tests/test_saving.py): the eager experts train here. keep_in_fp32: a float64 parameter
+                      # (OneFormer's) is saved as the plain load holds it, so the saved folder loads back equal
+                      "train_steps": steps, "kwargs": {"keep_in_fp32": True, **({"experts_implementation": "eager"}
+                                                                                if steps else {})},
                       "out": os.path.join(args.workdir, "out", f"save_{args.seed}_{i}.pt"),
                       "save": {"dir": folder, "kwargs": kwargs, "reference": True}})
     dumps = run_torchrun(args.world_size, cases, args.workdir, timeout=1500)

@@ -902,7 +902,6 @@ EXTRA_FILES_FOR = {"qwen2_5_omni": "spk_dict.pt"}  # Qwen2.5-Omni's speakers (to
 
 
 def head_checkpoint(workdir: str, model_class: str, model_type: str) -> str:
-    import torch
     import transformers
 
     from tests.checkpoints import make_checkpoint
@@ -910,6 +909,13 @@ def head_checkpoint(workdir: str, model_class: str, model_type: str) -> str:
     path = make_checkpoint(os.path.join(workdir, "heads", model_class, model_type), model_type,
                            config=small_head_config(model_type, model_class),
                            model_class=getattr(transformers, model_class))
+    return with_extra_files(path, model_type)
+
+
+def with_extra_files(path: str, model_type: str) -> str:
+    """`path`, with the files beside the weights that `model_type`'s from_pretrained needs (EXTRA_FILES_FOR)."""
+    import torch
+
     extra = EXTRA_FILES_FOR.get(model_type)
     if extra and not os.path.exists(os.path.join(path, extra)):
         torch.save({"Chelsie": {"bos_token": 2}}, os.path.join(path, extra))
