@@ -517,30 +517,36 @@ def run_state_dict(args, rng) -> list[str]:
     """`from_pretrained(None, config=..., state_dict=...)` of random configs: the state dict in the checkpoint's
     layout or the model's own, a key dropped at random, the values on every rank or on rank 0 only (meta elsewhere)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
+    from transformers import AutoConfig
 
     from tests.checkpoints import state_dict_of
     from tests.conftest import run_torchrun
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
+    def concrete_class(path: str):  # transformers' Auto classes need a folder: the class --model-class maps it to
+        return getattr(transformers, args.model_class)._model_mapping[type(AutoConfig.from_pretrained(path))]
+
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, families_for(args),
+                                 args.model_class)
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
         layout = rng.choice(["checkpoint", "model"])
-        keys = sorted(state_dict_of(src, layout, AutoModelForCausalLM._model_mapping[type(
-            AutoConfig.from_pretrained(src))]))
+        keys = sorted(state_dict_of(src, layout, concrete_class(src)))
         drop = [rng.choice(keys)] if rng.random() < 0.4 else []
         meta = list(range(1, args.world_size)) if rng.random() < 0.5 else []
         cases.append({"name": f"{name} {layout} layout, drop {drop}, meta on {meta}", "path": src,
                       "dtype": "float32", "seed": 7, "state_dict": {"layout": layout, "drop": drop,
                                                                     "meta_on_ranks": meta},
-                      "kwargs": {"allow_suspicious_missing_keys": True},
+                      "model_class": args.model_class,
+                      # keep_in_fp32: a float64 parameter (OneFormer's) as the plain load holds it
+                      "kwargs": {"allow_suspicious_missing_keys": True, "keep_in_fp32": True},
                       "out": os.path.join(args.workdir, "out", f"state_dict_{args.seed}_{i}_w{args.world_size}.pt")})
     failures = []
     for case, dump in zip(cases, run_torchrun(args.world_size, cases, args.workdir, timeout=1500)):
         errors = [r["error"] for r in dump["ranks"] if "error" in r]
         config = AutoConfig.from_pretrained(case["path"])
-        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+        model_class = concrete_class(case["path"])
         state = state_dict_of(case["path"], case["state_dict"]["layout"], model_class)
         for key in case["state_dict"]["drop"]:
             del state[key]
@@ -640,7 +646,8 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="ep: one rank per \"node\", only node 0 with the files (expert shares streamed)")
     ap.add_argument("--model-class", default="AutoModelForCausalLM",
-                    help="configs, missing, save: the auto class loaded (AutoModel, AutoModelForSequenceClassification, ...)")
+                    help="configs, missing, save, state_dict: the auto class loaded (AutoModel, AutoModelForSequenceClassification, "
+                    "...)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
     args = ap.parse_args()
     os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)
