@@ -333,8 +333,10 @@ def state_dict_of(path: str, layout: str, model_class) -> dict:
 
     from safetensors.torch import load_file
 
-    if layout == "model":
-        return dict(model_class.from_pretrained(path, dtype=torch.float32).state_dict())
+    if layout == "model":  # seeded: what the checkpoint lacks (a new task head) is the same in every process
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return dict(model_class.from_pretrained(path, dtype=torch.float32).state_dict())
     state = {}
     for name in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
         state.update(load_file(name))
