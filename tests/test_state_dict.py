@@ -5,9 +5,9 @@ At 3 ranks (sizes it does not divide), and at 1, 2 and 4: the gathered model equ
 plain single-process load of the same state dict, for a state dict in the checkpoint's layout (per-expert keys the
 conversion merges) and in the model's own (`state_dict()`: merged experts, tied weights under both names), with a key
 missing; with the values on rank 0 only (meta tensors on the others, as transformers' own ZeRO-3 path allows) the others
-receive their partitions' bytes from rank 0. At 3 ranks: with expert parallelism each rank holds the experts the folder
-gives it; every family of the sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass
-different values, meta tensors only, or no state dict at all, and a weight passed as a list, fail with the same clear
+receive their partitions' bytes from rank 0. At 3 ranks: a task head's state dict (its new head included) loads as
+the plain load does; with expert parallelism each rank holds the experts the folder gives it; every family of the
+sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass different values, meta tensors only, or no state dict at all, and a weight passed as a list, fail with the same clear
 error on every rank.
 """
 
@@ -33,6 +33,9 @@ CASES = {
     # as transformers' own ZeRO-3 path allows: the values on rank 0 only, meta tensors elsewhere (streamed from rank 0)
     "values_on_rank_0_only": ("qwen3_moe", "checkpoint", [], [1, 2]),
 }
+# through a task head: the state dict of the head's plain load, whose new head (not in the checkpoint) was initialised
+# (seeded, the same on every rank)
+HEAD_CASES = {"new_head_model_layout": ("llama_tied", "model", "AutoModelForSequenceClassification")}
 REFUSED = {
     # name: (state dict spec, load kwargs, every rank's error: type and what it says)
     "differs_on_rank_2": ({"differs_on_rank": 2}, {}, "CheckpointError",
@@ -66,6 +69,9 @@ def dumps(paths, workdir):
     cases += [{"name": name, "path": paths["llama_tied"], "dtype": "float32",
                "state_dict": {"layout": "checkpoint", **spec}, "kwargs": kwargs,
                "out": os.path.join(workdir, f"state_dict_{name}.pt")} for name, (spec, kwargs, _, _) in REFUSED.items()]
+    cases += [{"name": name, "path": paths[family], "dtype": "float32", "model_class": model_class,
+               "state_dict": {"layout": layout}, "out": os.path.join(workdir, f"state_dict_{name}.pt")}
+              for name, (family, layout, model_class) in HEAD_CASES.items()]
     ep = {"path": ep_checkpoint(workdir, "qwen3_moe"), "dtype": "bfloat16", "ds_config": ep_ds_config(3),
           "all_ranks_state": True}  # expert parallelism over the 3 ranks: from the folder, and from a state dict
     cases += [{**ep, "name": "ep_folder", "out": os.path.join(workdir, "state_dict_ep_folder.pt")},
@@ -75,11 +81,12 @@ def dumps(paths, workdir):
 
 
 @functools.lru_cache(maxsize=None)
-def plain(path: str, layout: str, drop: tuple = ()) -> tuple[dict, dict]:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def plain(path: str, layout: str, drop: tuple = (), auto_class: str = "AutoModelForCausalLM") -> tuple[dict, dict]:
+    import transformers
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    model_class = getattr(transformers, auto_class)._model_mapping[type(config)]
     state = state_dict_of(path, layout, model_class)
     for key in drop:
         del state[key]
@@ -140,6 +147,17 @@ def check_case(name: str, dump: dict, paths: dict, meta: list[int]) -> None:
             assert report["stream"]["streams_to"] == meta and report["bytes_read"] <= total, report
         else:
             assert 0 < report["bytes_read"] <= share * total
+
+
+@pytest.mark.parametrize("name", list(HEAD_CASES))
+def test_a_task_heads_state_dict_loads_equal_to_the_plain_load_of_it(dumps, paths, name):
+    family, layout, model_class = HEAD_CASES[name]
+    got = dumps[name]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    want, _ = plain(paths[family], layout, (), model_class)
+    assert set(got["state"]) == set(want) and any(k.startswith("score.") for k in want)
+    for key, expected in want.items():
+        assert got["state"][key].dtype == expected.dtype and torch.equal(got["state"][key], expected), key
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
