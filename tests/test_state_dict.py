@@ -7,8 +7,8 @@ conversion merges) and in the model's own (`state_dict()`: merged experts, tied 
 missing; with the values on rank 0 only (meta tensors on the others, as transformers' own ZeRO-3 path allows) the others
 receive their partitions' bytes from rank 0. At 3 ranks: a task head's state dict (its new head included) loads as
 the plain load does; with expert parallelism each rank holds the experts the folder gives it; every family of the
-sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass different values, meta tensors only, or no state dict at all, and a weight passed as a list, fail with the same clear
-error on every rank.
+sweep (tests/families.py) loads from a state dict like the plain load; ranks that pass different values, meta
+tensors only, or no state dict at all, and a weight passed as a list, fail with the same clear error on every rank.
 """
 
 from __future__ import annotations
