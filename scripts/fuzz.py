@@ -481,13 +481,15 @@ def run_save(args, rng) -> list[str]:
 
 def run_stream(args, rng) -> list[str]:
     """Ranks without the files: node 0 holds the checkpoint, the others receive their partitions from it (one rank
-    per node, --world-size nodes), in chunks of random sizes, loaded in fp32 or bf16 (narrowed in transit)."""
+    per node, --world-size nodes), in chunks of random sizes, loaded in fp32 or bf16 (narrowed in transit); through
+    --model-class, what the checkpoint lacks (a new head) is initialised from the same seed on both sides."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     from tests.conftest import run_nodes
 
-    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, args.families)
+    sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, families_for(args),
+                                 args.model_class)
     cases = []
     for i in range(args.cases):
         name, src = rng.choice(sources)
@@ -497,14 +499,20 @@ def run_stream(args, rng) -> list[str]:
                       # keep_in_fp32: the plain load's dtypes for `_keep_in_fp32_modules` (ERNIE's router), so that
                       # a bf16 load compares bit for bit (by default they load in the engine's dtype, with a warning)
                       "kwargs": {"stream_chunk_bytes": chunk, "keep_in_fp32": True}, "source": src,
+                      "model_class": args.model_class, "seed": 11,
                       "out": os.path.join(args.workdir, "out", f"stream_{args.seed}_{i}.pt")})
     failures = []
     for case, dump in zip(cases, run_nodes(args.world_size, 1, cases, args.workdir, timeout=900)):
         errors = [r["error"] for r in dump["ranks"] if "error" in r]
         if errors:
-            failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
+            if plain := plain_failure(case["source"], args.model_class):  # a config the class cannot load
+                print(f"  both fail (as upstream): {case['name']}: {errors[0]['type']} | plain: {plain}")
+            else:
+                failures.append(f"{case['name']}: {errors[0]['type']}: {errors[0]['message'][:200]}")
             continue
-        model = AutoModelForCausalLM.from_pretrained(case["source"], dtype=getattr(torch, case["dtype"]))
+        torch.manual_seed(11)
+        model = getattr(transformers, args.model_class).from_pretrained(case["source"],
+                                                                        dtype=getattr(torch, case["dtype"]))
         got = dump["rank0"]["state"]
         if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
@@ -646,8 +654,8 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="ep: one rank per \"node\", only node 0 with the files (expert shares streamed)")
     ap.add_argument("--model-class", default="AutoModelForCausalLM",
-                    help="configs, missing, save, state_dict: the auto class loaded (AutoModel, AutoModelForSequenceClassification, "
-                    "...)")
+                    help="configs, missing, save, state_dict, stream: the auto class loaded (AutoModel, "
+                    "AutoModelForSequenceClassification, ...)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
     args = ap.parse_args()
     os.makedirs(os.path.join(args.workdir, "out"), exist_ok=True)
