@@ -444,10 +444,8 @@ def run_headers(args, rng) -> list[str]:
 
 def run_save(args, rng) -> list[str]:
     from tests.conftest import run_torchrun
-    from tests.test_families import save_failure
-
     from tests.families import EXTRA_FILES_FOR
-    from tests.test_families import PLAIN_LOAD_MISSES_KEYS
+    from tests.test_families import PLAIN_LOAD_MISSES_KEYS, save_failure
 
     causal = args.model_class == "AutoModelForCausalLM"
     sources = random_checkpoints(args.workdir, random.Random(args.seed), args.cases, args.seed, families_for(args),
