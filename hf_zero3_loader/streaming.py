@@ -44,6 +44,9 @@ from .planner.plan import LoadPlan, ReadItem
 MODES = ("auto", "read", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
 SMALL_FILE_BYTES = 8 << 20  # non-weight files a reader hands over (config, generation config, index, code)
+# pickles named like weights (another format's or variant's shards): not handed over; other small pickles are, as a
+# model's from_pretrained may read them beside its weights (Qwen2.5-Omni's speakers, spk_dict.pt)
+WEIGHT_PICKLE_PREFIXES = ("pytorch_model", "model", "consolidated", "adapter_model", "tf_model", "flax_model")
 OK, FAILED = 0, 1
 # How a chunk travels (the status's third field): each piece's elements as read, or, for a chunk holding dequantized
 # (FP8/MXFP4) pieces, the stored bytes they are computed from: the receiver computes them as a reader would (the
@@ -149,7 +152,8 @@ def collect_small_files(folder: str, files: list[str]) -> dict:
         path = os.path.join(folder, name)
         if name in weight_names or not os.path.isfile(path) or os.path.getsize(path) > SMALL_FILE_BYTES:
             continue
-        if name.endswith((".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")):
+        if name.endswith((".safetensors", ".h5", ".msgpack", ".gguf")) or (
+                name.endswith((".bin", ".pt", ".pth")) and name.startswith(WEIGHT_PICKLE_PREFIXES)):
             continue
         with open(path, "rb") as f:
             small[name] = f.read()

@@ -96,6 +96,45 @@ def test_a_variant_checkpoint_streams(ckpts, workdir):
     assert dump["ranks"][1]["report"]["stream"]["receives_from"] == 0
 
 
+def test_files_a_model_reads_beside_its_weights_reach_the_ranks_without_them(workdir):
+    """Qwen2.5-Omni's from_pretrained reads its speakers (spk_dict.pt, a pickle) beside the weights: the reader hands
+    it over with the config, so the rank without the files loads too (its stub folder lacked it: an OSError there)."""
+    import transformers
+
+    from tests.families import head_checkpoint
+
+    path = head_checkpoint(workdir, "AutoModelForTextToWaveform", "qwen2_5_omni")
+    case = {"name": "omni", "path_by_node": {"0": path, "1": NOWHERE}, "dtype": "float32", "seed": 0,
+            "model_class": "AutoModelForTextToWaveform", "kwargs": {"stream_chunk_bytes": CHUNK},
+            "out": os.path.join(workdir, "stream_omni.pt")}
+    (dump,) = run_nodes(2, 1, [case], workdir)
+    for r in dump["ranks"]:
+        assert "error" not in r, r["error"]["message"]
+    assert dump["ranks"][1]["report"]["stream"]["bytes_received"] > 0
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForTextToWaveform.from_pretrained(path, dtype=torch.float32)
+    state = dump["rank0"]["state"]
+    for name, want in [*plain.named_parameters(), *plain.named_buffers()]:
+        assert state[name].dtype == want.dtype and torch.equal(state[name], want), name
+
+
+def test_a_reader_hands_over_small_files_but_no_other_weights(tmp_path):
+    """The bundle for ranks without the files: config, index, code and small pickles that are not weights; never
+    weight files of another format or variant, nor files over SMALL_FILE_BYTES."""
+    from safetensors.torch import save_file
+
+    from hf_zero3_loader.streaming import SMALL_FILE_BYTES, collect_small_files
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    for name in ("config.json", "modeling_custom.py", "spk_dict.pt", "pytorch_model.bin", "model.ema.safetensors",
+                 "consolidated.00.pth", "model-00001-of-00002.bin", "big_table.pt"):
+        (tmp_path / name).write_bytes(b"x")
+    os.truncate(tmp_path / "big_table.pt", SMALL_FILE_BYTES + 1)
+    bundle = collect_small_files(str(tmp_path), [str(tmp_path / "model.safetensors")])
+    assert sorted(bundle["small"]) == ["config.json", "modeling_custom.py", "spk_dict.pt"]
+    assert list(bundle["weights"]) == ["model.safetensors"]
+
+
 def test_three_nodes_two_without_files_sizes_that_do_not_divide(ckpts, workdir):
     cases = [{"name": "w3", "path_by_node": {"0": ckpts["mixtral"], "1": NOWHERE, "2": NOWHERE},
               "dtype": "float16", "kwargs": {"stream_chunk_bytes": CHUNK}, "out": os.path.join(workdir, "stream_w3.pt")}]
