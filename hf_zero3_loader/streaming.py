@@ -7,9 +7,10 @@ shared filesystem) or should not (a filesystem so slow per client that one reade
    which node it runs; all ranks take the same decision (`decide`): who reads, and which reader serves whom.
    `load_from="read"` (every rank reads), `"stream"` (one reader per node, the others receive) or `"auto"` (ranks
    that can read read; the others receive, from a reader on their node if there is one).
-2. `share_small_files`: ranks without the files get the config, generation config, index and every weight file's
-   header from the first reader (a broadcast of a few MB); they write a *stub* folder (the small files, and each
-   safetensors file as its real header followed by a hole) so transformers' own `from_pretrained` runs as usual.
+2. `collect_small_files`: ranks without the files get the config, generation config, index, the folder's other small
+   non-weight files (code, pickles a model reads beside its weights) and every weight file's header from the first
+   reader (a broadcast of a few MB); they write a *stub* folder (the small files, and each safetensors file as its
+   real header followed by a hole) so transformers' own `from_pretrained` runs as usual.
 3. The plan is the same on both ends: a receiving rank plans its own partitions as if it read them, with
    `TensorPlan.byte_source` naming its reader; the reader builds the same plan for it (`plan_for`). Both cut it into
    the same pieces and chunks (`stream_chunks`): files in name order, at most `chunk_bytes` per chunk. The reader
