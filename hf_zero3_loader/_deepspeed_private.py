@@ -329,6 +329,17 @@ def detect_moe_layers(model: torch.nn.Module, autoep_config) -> list:
     return AutoEP(model, autoep_config).ep_parser()
 
 
+def autoep_layer_patterns(model: torch.nn.Module, autoep_config) -> list[str]:
+    """The MoE layer patterns AutoEP's detection tries on `model` (`AutoEP._resolve_presets`), [] if none resolve."""
+    from deepspeed.module_inject.auto_ep_presets.registry import resolve_preset_candidates
+
+    try:
+        return [preset.moe_layer_pattern for _, preset in
+                resolve_preset_candidates(autoep_config, getattr(model, "config", None))]
+    except ValueError:
+        return []
+
+
 def replace_moe_layers(model: torch.nn.Module, autoep_config, specs: list, ep_size: int, ep_rank: int) -> None:
     """AutoEP's own replacement, on meta: each layer's router and local expert slices are meta copies."""
     from deepspeed.module_inject.auto_ep import AutoEP

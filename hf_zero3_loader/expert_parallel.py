@@ -19,6 +19,7 @@ by gathering each layer's fused experts on every rank. Here it is built on the m
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +141,24 @@ def structure_named(section: dict) -> bool:
     return bool(section.get("preset_model") or section.get("moe_layer_pattern"))
 
 
+def _layer_pattern_hint(model: torch.nn.Module, section: dict, autoep_config) -> str:
+    """AutoEP's presets name MoE layers where a causal LM holds them (`model.layers.N.mlp`); a bare body
+    (`AutoModel`: `layers.N.mlp`) or a head whose body has another name (`transformer.layers.N.mlp`) matches none.
+    DeepSpeed applies a `moe_layer_pattern` given in the config over the preset it detects, so the preset's pattern
+    where this model holds those layers is all it needs: found here, and named in the error."""
+    if section.get("moe_layer_pattern"):
+        return ""
+    names = [name for name, _ in model.named_modules()]
+    for pattern in ds_private.autoep_layer_patterns(model, autoep_config):
+        tail = pattern.removeprefix(r"model\.")
+        prefixes = {m[1] for name in names if (m := re.fullmatch(f"(.*?){tail}", name))}
+        if len(prefixes) == 1:
+            where = re.escape(prefixes.pop()) + tail
+            return (f" This {type(model).__name__} holds its MoE layers at '{where}': name them in the config, "
+                    f"expert_parallel.moe_layer_pattern: '{where}'")
+    return ""
+
+
 @dataclass
 class ExpertParallelLayout:
     """The skeleton's MoE blocks replaced by AutoEP layers, and where every new tensor's bytes come from."""
@@ -173,7 +192,8 @@ class ExpertParallelLayout:
         try:
             specs = ds_private.detect_moe_layers(model, autoep_config)
         except ValueError as e:
-            raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}") from e
+            raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}"
+                              + _layer_pattern_hint(model, request.autoep_section, autoep_config)) from e
         if not specs:
             raise ConfigError(f"DeepSpeed AutoEP found no MoE layer in this {model_type} model")
         for spec in specs:

@@ -162,11 +162,11 @@ class Zero3Load:
 
             plan = plan_for(world.rank, world, experts, layout.groups.ep_rank if layout else 0)
             check_plan_is_exact(plan)
+            self._refuse_broken_conversion(model, plan)  # first: it names the cause of what EP finds missing below
             if layout is not None:
                 layout.check_loaded(plan)
                 self.report.expert_parallel = layout.summary(plan)
                 self.report.expert_parallel_layout = layout
-            self._refuse_broken_conversion(model, plan)
             self.report.plan = plan
             served = {}
             if self.stream is not None:  # the same plans the receiving ranks make for themselves
@@ -291,14 +291,21 @@ class Zero3Load:
                                   f"does not hold (a shard or an index entry missing?):\n{lines}")
 
     def _refuse_broken_conversion(self, model, plan: LoadPlan) -> None:
-        suspicious = suspicious_missing_keys(plan)
+        suspicious = suspicious_missing_keys(plan, body=getattr(model, "base_model_prefix", ""))
         if not suspicious or self.allow_suspicious_missing:
             return
         lines = "\n".join(f"  {m} <- unexpected: {', '.join(u[:4])}{' ...' if len(u) > 4 else ''}" for m, u in suspicious)
+        body = getattr(model, "base_model_prefix", "")
+        other_bodies = sorted({u.split(".", 1)[0] for m, alike in suspicious if m.startswith(body + ".")
+                               for u in alike if u.split(".", 1)[-1] == m.split(".", 1)[1]})
+        cause = (f"{type(model).__name__} holds its body as '{body}.', the checkpoint as "
+                 f"{', '.join(repr(b + '.') for b in other_bodies)}, which transformers does not map"
+                 if body and other_bodies else
+                 f"the weight conversion for model type {getattr(model.config, 'model_type', '?')!r} did not match "
+                 "this checkpoint's layout")
         raise ConversionMismatchError(
             f"{len(suspicious)} parameters the checkpoint seems meant to provide would be randomly initialised, "
-            f"while it holds unexpected keys that look like them (the weight conversion for model type "
-            f"{getattr(model.config, 'model_type', '?')!r} did not match this checkpoint's layout):\n{lines}\n"
+            f"while it holds unexpected keys that look like them ({cause}):\n{lines}\n"
             "Pass `allow_suspicious_missing_keys=True` to load anyway and initialise them randomly."
         )
 

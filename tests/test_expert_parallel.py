@@ -86,26 +86,26 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
 
 
 @functools.lru_cache(maxsize=None)
-def _plain(path: str, dtype: str) -> tuple[dict, frozenset]:
-    from transformers import AutoModelForCausalLM
+def _plain(path: str, dtype: str, model_class: str = "AutoModelForCausalLM", seed: int = 0) -> tuple[dict, frozenset]:
+    """`seed`: the ranks' seed, for what the checkpoint lacks (a new task head) to be initialised alike."""
+    import transformers
 
     quantized = {}
     if path.endswith(FP8):
-        from transformers import FineGrainedFP8Config
-
-        quantized = {"quantization_config": FineGrainedFP8Config(dequantize=True)}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **quantized)
+        quantized = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class).from_pretrained(path, dtype=getattr(torch, dtype), **quantized)
     return ({n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]},
             params_kept_in_fp32(model, getattr(torch, dtype)))
 
 
-def plain_load(path: str, dtype: str) -> dict:
-    return _plain(path, dtype)[0]
+def plain_load(path: str, dtype: str, model_class: str = "AutoModelForCausalLM", seed: int = 0) -> dict:
+    return _plain(path, dtype, model_class, seed)[0]
 
 
-def plain_fp32_params(path: str, dtype: str) -> frozenset:
+def plain_fp32_params(path: str, dtype: str, model_class: str = "AutoModelForCausalLM", seed: int = 0) -> frozenset:
     """The parameters a plain load in `dtype` keeps in fp32 anyway."""
-    return _plain(path, dtype)[1]
+    return _plain(path, dtype, model_class, seed)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,3 +295,35 @@ def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdi
                     continue
                 _, want = expected(name, plain, r["rank"] % 2, 2)
                 assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name} rank {r['rank']}"
+
+
+def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seeded_plain_loads(workdir):
+    """Where MoE fine-tuning starts from a causal LM's checkpoint: a reward model (a new `score` head, drawn as the
+    seeded plain load draws it, the old `lm_head` unexpected) and a bare body (`AutoModel`: `layers.N.mlp`, which no
+    AutoEP preset matches until the config names the pattern, as for engine-side AutoEP; without it, the same clear
+    error on every rank, saying what to name)."""
+    path = checkpoint(workdir, "qwen3_moe")
+    body = ep_ds_config(2, structure={"moe_layer_pattern": r"layers\.\d+\.mlp"})
+    cases = [{"name": name, "path": path, "dtype": "bfloat16", "seed": 11, "ds_config": ds, "model_class": cls,
+              "all_ranks_state": True, "out": os.path.join(workdir, f"ep_head_{i}.pt")}
+             for i, (name, cls, ds) in enumerate((("reward model", "AutoModelForSequenceClassification", ep_ds_config(2)),
+                                                  ("bare body", "AutoModel", body),
+                                                  ("bare body, no pattern", "AutoModel", ep_ds_config(2))))]
+    dumps_ = run_torchrun(2, cases, workdir)
+    for case, dump in zip(cases[:2], dumps_):
+        plain = plain_load(path, "bfloat16", case["model_class"], seed=11)
+        covered = set()
+        for r in dump["ranks"]:
+            assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
+            assert r["report"]["expert_parallel"]["ep_size"] == 2, case["name"]
+            for name, actual in r["state"].items():
+                if name.endswith(".tokens_per_expert"):
+                    continue
+                source, want = expected(name, plain, r["rank"] % 2, 2)
+                covered.add(source)
+                assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name} rank {r['rank']}"
+        assert covered == set(plain), f"{case['name']}: not loaded: {sorted(set(plain) - covered)}"
+    assert "score.weight" in plain_load(path, "bfloat16", "AutoModelForSequenceClassification", seed=11)
+    errors = [r.get("error") for r in dumps_[2]["ranks"]]
+    assert all(errors) and len({e["message"].split("] ", 1)[1] for e in errors}) == 1, errors
+    assert errors[0]["type"] == "ConfigError" and r"moe_layer_pattern: 'layers\.\d+\.mlp'" in errors[0]["message"]

@@ -157,6 +157,11 @@ CASES = {
     # `dtype="auto"` (the checkpoint's dtype, here the engine's) and its older spelling
     "dtype_auto": ("qwen_bf16", "AutoModelForCausalLM", "bfloat16", {"dtype": "auto"}, 0),
     "torch_dtype_auto": ("qwen_bf16", "AutoModelForCausalLM", "bfloat16", {"torch_dtype": "auto"}, 0),
+    # Llama's question-answering head keeps its body as `transformer`, the causal LM's checkpoint as `model`:
+    # transformers 5.24 maps neither to the other, and a plain load initialises the whole body at random
+    "body_not_mapped": ("llama", "AutoModelForQuestionAnswering", "float32", {}, 0),
+    "body_not_mapped_opt_out": ("llama", "AutoModelForQuestionAnswering", "float32",
+                                {"allow_suspicious_missing_keys": True, "missing_init_budget_bytes": BUDGET}, 4),
     # last: transformers registers a fusion for the rest of the process (its module patches, its weight converters)
     "fusion_config": ("qwen3_vl", "AutoModelForImageTextToText", "float32", {"fusion_config": {"patch_embeddings": True}},
                       0),
@@ -206,7 +211,8 @@ def assert_equal_to_plain(name, dump, path):
 @pytest.mark.parametrize("name", ["seq_cls_head", "resized_vocab", "tied_but_different", "keep_in_fp32",
                                   "key_mapping", "subfolder", "trust_remote_code", "init_zeroes_loaded_padding_row",
                                   "qwen3_vl_moe_transposed", "broken_conversion_opt_out", "scalar_param_missing",
-                                  "fusion_config", "dtype_auto", "torch_dtype_auto", "conv_init_beside_loaded_weight"])
+                                  "fusion_config", "dtype_auto", "torch_dtype_auto", "conv_init_beside_loaded_weight",
+                                  "body_not_mapped_opt_out"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
 
@@ -290,6 +296,16 @@ def test_a_checkpoint_prefix_the_loader_does_not_map_is_an_error_on_every_rank(r
     unexpected = "model.model.language_model.model.embed_tokens.weight"
     assert f"{missing} <- unexpected: {unexpected}" in error["message"]
     assert "allow_suspicious_missing_keys" in error["message"]
+
+
+def test_a_head_whose_body_transformers_does_not_map_is_an_error_on_every_rank(results):
+    """LlamaForQuestionAnswering (body `transformer.`) from a LlamaForCausalLM checkpoint (`model.`): a plain load
+    initialises every body weight at random; ours names the pair of bodies and refuses (opting out loads as the plain
+    load: `test_equal_to_plain_load[body_not_mapped_opt_out]`)."""
+    error = _same_error_on_every_rank(results["body_not_mapped"])
+    assert "ConversionMismatchError" in error["mro"]
+    assert "holds its body as 'transformer.', the checkpoint as 'model.'" in error["message"]
+    assert "transformer.embed_tokens.weight <- unexpected: model.embed_tokens.weight" in error["message"]
 
 
 def test_a_fusion_transformers_does_not_map_for_the_checkpoint_is_an_error_on_every_rank(results):

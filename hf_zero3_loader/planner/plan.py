@@ -453,7 +453,7 @@ def check_plan_is_exact(plan: LoadPlan) -> None:
             raise LoaderError(f"internal planning error for {t.name}: {covered} elements for range {t.start}:{t.end}")
 
 
-def suspicious_missing_keys(plan: LoadPlan) -> list[tuple[str, list[str]]]:
+def suspicious_missing_keys(plan: LoadPlan, body: str = "") -> list[tuple[str, list[str]]]:
     """Missing parameters next to unexpected checkpoint keys that look like them: a conversion that broke.
 
     A missing key and an unexpected key "look alike" when
@@ -461,13 +461,22 @@ def suspicious_missing_keys(plan: LoadPlan) -> list[tuple[str, list[str]]]:
       `layers.0.mlp.experts.gate_up_proj` missing beside `layers.0.mlp.experts.0.w1.weight` unexpected; or
     - they are the same key once every `model` wrapper component is dropped: `model.language_model.norm.weight`
       missing beside `model.model.language_model.model.norm.weight` (a prefix the loader does not map; shieldgemma2
-      as transformers 5.23 saves it).
-    A new head (`score.weight` beside `lm_head.weight`) does not.
+      as transformers 5.23 saves it); or
+    - the missing key is under the model's `body` (its `base_model_prefix`) and the unexpected one is the same key
+      under another first component: `transformer.layers.0.mlp.gate.weight` missing beside
+      `model.layers.0.mlp.gate.weight` (Llama's or Qwen3-MoE's question-answering head, whose body is `transformer`,
+      from its causal LM's checkpoint: transformers 5.24 maps neither name to the other, and initialises the whole
+      body at random).
+    A new head (`score.weight` beside `lm_head.weight`, `classifier.dense.weight` beside `lm_head.dense.weight`)
+    does not.
     """
     unexpected = [u.split(".") for u in sorted(plan.unexpected_keys)]
     unwrapped: dict[tuple, list[str]] = {}
+    under_another_body: dict[tuple, list[str]] = {}
     for u in unexpected:
         unwrapped.setdefault(_without_wrappers(u), []).append(".".join(u))
+        if len(u) >= 3 and u[0] != body:
+            under_another_body.setdefault(tuple(u[1:]), []).append(".".join(u))
     found = []
     for key in sorted(plan.missing_keys):
         if plan.tensors[key].kind != "param":
@@ -476,6 +485,8 @@ def suspicious_missing_keys(plan: LoadPlan) -> list[tuple[str, list[str]]]:
         need = max(2, len(parts) - 2)
         alike = [".".join(u) for u in unexpected if len(u) >= need and u[:need] == parts[:need]]
         alike += [u for u in unwrapped.get(_without_wrappers(parts), []) if u not in alike]
+        if body and len(parts) >= 3 and parts[0] == body:
+            alike += [u for u in under_another_body.get(tuple(parts[1:]), []) if u not in alike]
         if alike:
             found.append((key, alike))
     return found
