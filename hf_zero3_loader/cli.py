@@ -50,7 +50,14 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
     ops = sorted({type(op).__name__ for c in resolution.used_mapping for op in getattr(c, "operations", [])})
     first = plans[0]
     if first.missing_keys:
+        from .planner.plan import suspicious_missing_keys
+
         warnings.append(f"{len(first.missing_keys)} model tensors are not in the checkpoint (initialised at load)")
+        if suspicious := suspicious_missing_keys(first, body=getattr(model, "base_model_prefix", "")):
+            missing, alike = suspicious[0]
+            warnings.append(f"{len(suspicious)} of them look like unexpected checkpoint tensors (e.g. {missing} <- "
+                            f"{alike[0]}): the load refuses them (ConversionMismatchError) unless "
+                            "allow_suspicious_missing_keys=True")
     if first.unexpected_keys:
         warnings.append(f"{len(first.unexpected_keys)} checkpoint tensors are not used by the model")
     if first.mismatched_keys:  # as the load says: refused, unless ignore_mismatched_sizes=True initialises them

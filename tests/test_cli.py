@@ -238,3 +238,16 @@ def test_plan_says_what_the_load_refuses_in_a_checkpoint_short_of_experts(workdi
         k: v for k, v in t.items() if k != "model.layers.1.mlp.experts.3.gate_proj.weight"})
     with pytest.raises(CheckpointError, match=r"gate_up_proj: lacks model\.layers\.1\.mlp\.experts\.3\.gate_proj"):
         plan_report(no_gate, 2, None, None, None, "cuda", AutoModelForCausalLM)
+
+
+def test_plan_says_the_load_refuses_a_head_whose_body_transformers_does_not_map(workdir):
+    """Qwen3-MoE's question-answering head (body `transformer.`) from its causal LM's checkpoint (`model.`): `plan`
+    says the load refuses the body's tensors, naming a pair, as the load does (ConversionMismatchError)."""
+    from transformers import AutoModelForQuestionAnswering
+
+    from hf_zero3_loader.cli import plan_report
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    report = plan_report(path, 2, None, None, None, "cuda", AutoModelForQuestionAnswering)
+    assert any("transformer.embed_tokens.weight <- model.embed_tokens.weight" in w and "ConversionMismatchError" in w
+               for w in report["warnings"]), report["warnings"]
