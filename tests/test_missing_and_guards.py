@@ -162,6 +162,8 @@ CASES = {
     "body_not_mapped": ("llama", "AutoModelForQuestionAnswering", "float32", {}, 0),
     "body_not_mapped_opt_out": ("llama", "AutoModelForQuestionAnswering", "float32",
                                 {"allow_suspicious_missing_keys": True, "missing_init_budget_bytes": BUDGET}, 4),
+    "body_key_mapping": ("llama", "AutoModelForQuestionAnswering", "float32",  # what the refusal says to pass
+                         {"key_mapping": {r"^model\.": "transformer."}}, 4),
     # last: transformers registers a fusion for the rest of the process (its module patches, its weight converters)
     "fusion_config": ("qwen3_vl", "AutoModelForImageTextToText", "float32", {"fusion_config": {"patch_embeddings": True}},
                       0),
@@ -212,7 +214,7 @@ def assert_equal_to_plain(name, dump, path):
                                   "key_mapping", "subfolder", "trust_remote_code", "init_zeroes_loaded_padding_row",
                                   "qwen3_vl_moe_transposed", "broken_conversion_opt_out", "scalar_param_missing",
                                   "fusion_config", "dtype_auto", "torch_dtype_auto", "conv_init_beside_loaded_weight",
-                                  "body_not_mapped_opt_out"])
+                                  "body_not_mapped_opt_out", "body_key_mapping"])
 def test_equal_to_plain_load(results, paths, name):
     assert_equal_to_plain(name, results[name], paths[CASES[name][0]])
 
@@ -300,12 +302,13 @@ def test_a_checkpoint_prefix_the_loader_does_not_map_is_an_error_on_every_rank(r
 
 def test_a_head_whose_body_transformers_does_not_map_is_an_error_on_every_rank(results):
     """LlamaForQuestionAnswering (body `transformer.`) from a LlamaForCausalLM checkpoint (`model.`): a plain load
-    initialises every body weight at random; ours names the pair of bodies and refuses (opting out loads as the plain
-    load: `test_equal_to_plain_load[body_not_mapped_opt_out]`)."""
+    initialises every body weight at random; ours names the pair of bodies and the `key_mapping` that maps them, and
+    refuses (opting out loads as the plain load, and so does the key mapping: `test_equal_to_plain_load`)."""
     error = _same_error_on_every_rank(results["body_not_mapped"])
     assert "ConversionMismatchError" in error["mro"]
     assert "holds its body as 'transformer.', the checkpoint as 'model.'" in error["message"]
     assert "transformer.embed_tokens.weight <- unexpected: model.embed_tokens.weight" in error["message"]
+    assert "key_mapping={r'^model\\.': 'transformer.'}" in error["message"]
 
 
 def test_a_fusion_transformers_does_not_map_for_the_checkpoint_is_an_error_on_every_rank(results):
