@@ -671,9 +671,15 @@ def run_nvme(args, rng) -> list[str]:
     if not async_io_buildable():
         # not "0 failures": nothing was checked
         raise SystemExit("nvme: DeepSpeed's async_io op needs libaio (apt-get install libaio-dev); nothing run")
+    families = ["qwen3_moe", "mixtral", "deepseek_v3", "llama"]
+    if args.model_class != "AutoModelForCausalLM":  # a causal LM's checkpoint loaded into a new head or a bare body
+        from tests.test_families import known_to
+
+        if not (families := list(known_to(args.model_class, families))):
+            raise SystemExit(f"nvme: none of its model types is known to {args.model_class}")
     cases = []
     for i in range(args.cases):
-        family = rng.choice(["qwen3_moe", "mixtral", "deepseek_v3", "llama"])
+        family = rng.choice(families)
         experts = rng.choice([5, 8])
         common = dict(vocab_size=rng.choice([3001, 4096]), hidden_size=rng.choice([384, 520]), num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -700,7 +706,7 @@ def run_nvme(args, rng) -> list[str]:
         # fits the largest partition here (at 1 rank: the largest tensor)
         ds_config["zero_optimization"]["offload_param"]["buffer_size"] = 1 << (21 if args.world_size > 1 else 22)
         cases.append({"name": f"{family}#{i} {dtype} from {str(saved_as)[6:]}", "path": path, "dtype": dtype,
-                      "seed": 0, "ds_config": ds_config,
+                      "seed": 0, "ds_config": ds_config, "model_class": args.model_class,
                       # keep_in_fp32: the plain load's dtypes for `_keep_in_fp32_modules` (DeepSeek-V3's router
                       # from transformers 5.24), which stay on the host, outside the swapper's dtype
                       "kwargs": {"staging_bytes": rng.choice([1 << 20, 3 << 20, 64 << 20]), "keep_in_fp32": True},
@@ -714,11 +720,11 @@ def run_nvme(args, rng) -> list[str]:
         swapped = [r["report"].get("nvme", {}).get("partitions_swapped_out", 0) for r in dump["ranks"]]
         print(f"  {case['name']}: partitions swapped out per rank {swapped}")  # 0: all under its size floor
         torch.manual_seed(0)
-        model = T.AutoModelForCausalLM.from_pretrained(case["path"], dtype=getattr(torch, case["dtype"]))
+        model = getattr(T, args.model_class).from_pretrained(case["path"], dtype=getattr(torch, case["dtype"]))
         got = dump["rank0"]["state"]
         if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
-    return failures
+    return explain(failures, cases)
 
 
 MODES = {"configs": run_configs, "missing": run_missing, "ep": run_ep, "headers": run_headers, "stream": run_stream,
@@ -738,7 +744,7 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true",
                     help="ep: one rank per \"node\", only node 0 with the files (expert shares streamed)")
     ap.add_argument("--model-class", default="AutoModelForCausalLM",
-                    help="configs, missing, ep, save, state_dict, stream: the auto class loaded (AutoModel, "
+                    help="configs, missing, ep, nvme, save, state_dict, stream: the auto class loaded (AutoModel, "
                     "AutoModelForSequenceClassification, ...)")
     ap.add_argument("--workdir", default=os.path.join(REPO, "out", "fuzz"))
     args = ap.parse_args()
