@@ -301,7 +301,7 @@ class Zero3Load:
                                for u in alike if u.split(".", 1)[-1] == m.split(".", 1)[1]})
         cause = (f"{type(model).__name__} holds its body as '{body}.', the checkpoint as "
                  f"{', '.join(repr(b + '.') for b in other_bodies)}, which transformers does not map; "
-                 f"from_pretrained's key_mapping={{r'^{re.escape(other_bodies[0])}\.': '{body}.'}} maps it"
+                 f"from_pretrained's key_mapping={{r'^{re.escape(other_bodies[0])}\\.': '{body}.'}} maps it"
                  if body and other_bodies else
                  f"the weight conversion for model type {getattr(model.config, 'model_type', '?')!r} did not match "
                  "this checkpoint's layout")
