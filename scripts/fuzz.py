@@ -162,13 +162,13 @@ def explain(failures: list[str], cases: list[dict]) -> list[str]:
     """A load failure both paths share is upstream's behaviour: kept as a note, not a failure, where ours is a clear
     error (the loader's own, or the plain load's own type); a bare IndexError where the plain load explains stays a
     failure."""
-    by_name = {c["name"]: c for c in cases}
     clear = loader_errors()
     real = []
     for f in failures:
-        name, _, rest = f.partition(": ")
-        case = by_name.get(name)
-        plain = plain_failure(case["path"], case.get("model_class", "AutoModelForCausalLM")) if case and (
+        # the longest case name the failure starts with (names may hold ": ", e.g. a save's kwargs)
+        case = max((c for c in cases if f.startswith(c["name"] + ": ")), key=lambda c: len(c["name"]), default=None)
+        rest = f[len(case["name"]) + 2:] if case else f.partition(": ")[2]
+        plain = plain_failure(_source(case), case.get("model_class", "AutoModelForCausalLM")) if case and (
             "Error: " in f) else None
         ours = rest.split(": ", 1)[0]
         if plain and (ours in clear or plain.startswith(ours + ":")):
@@ -180,6 +180,11 @@ def explain(failures: list[str], cases: list[dict]) -> list[str]:
     return real
 
 
+def _source(case: dict) -> str:
+    """The checkpoint folder a case loads (a streamed case names it per node: node 0's)."""
+    return case.get("path") or case["source"]
+
+
 def plain_misses_keys(case: dict) -> bool:
     """Whether the plain load of `case` initialises parameters at random beside unexpected checkpoint keys: the
     loader's documented refusal (`ConversionMismatchError`, README "Errors") applies where it does."""
@@ -187,7 +192,7 @@ def plain_misses_keys(case: dict) -> bool:
 
     try:
         _, info = getattr(transformers, case.get("model_class", "AutoModelForCausalLM")).from_pretrained(
-            case["path"], output_loading_info=True)
+            _source(case), output_loading_info=True)
     except Exception:
         return False
     return bool(info["missing_keys"] and info["unexpected_keys"])
@@ -558,9 +563,9 @@ def run_save(args, rng) -> list[str]:
                       "save": {"dir": folder, "kwargs": kwargs, "reference": True}})
     dumps = run_torchrun(args.world_size, cases, args.workdir, timeout=1500)
     # what transformers cannot load back from its own save is checked byte for byte only (as the head sweep does)
-    return [f for case, dump in zip(cases, dumps)
-            if (f := save_failure(case, dump, loads_back_whole=case["name"].split("#")[0] not in
-                                  {*PLAIN_LOAD_MISSES_KEYS, *EXTRA_FILES_FOR}))]
+    return explain([f for case, dump in zip(cases, dumps)
+                    if (f := save_failure(case, dump, loads_back_whole=case["name"].split("#")[0] not in
+                                          {*PLAIN_LOAD_MISSES_KEYS, *EXTRA_FILES_FOR}))], cases)
 
 
 def run_stream(args, rng) -> list[str]:
@@ -602,7 +607,7 @@ def run_stream(args, rng) -> list[str]:
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
         if not any(r["report"].get("stream", {}).get("bytes_received") for r in dump["ranks"]):
             failures.append(f"{case['name']}: nothing was streamed")
-    return failures
+    return explain(failures, cases)
 
 
 def run_state_dict(args, rng) -> list[str]:
@@ -655,7 +660,7 @@ def run_state_dict(args, rng) -> list[str]:
         got = dump["rank0"]["state"]
         if differ := differing(got, model):
             failures.append(f"{case['name']}: {len(differ)} tensors differ from the plain load, e.g. {differ[:3]}")
-    return failures
+    return explain(failures, cases)
 
 
 def run_nvme(args, rng) -> list[str]:
