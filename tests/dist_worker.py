@@ -80,9 +80,11 @@ def initialize(model, ds_config: dict, result: dict):
 def train_losses(engine, steps: int, vocab: int, seed: int = 1234, seq_len: int = 12) -> list[float]:
     g = torch.Generator().manual_seed(seed)
     losses = []
+    module = getattr(engine, "module", engine)
+    classifier = type(module).__name__.endswith("ForSequenceClassification")  # a reward model: one label per sequence
     for _ in range(steps):
         ids = torch.randint(0, vocab, (1, seq_len), generator=g).to(engine.device)
-        out = engine(input_ids=ids, labels=ids)
+        out = engine(input_ids=ids, labels=ids[:, 0] % module.config.num_labels if classifier else ids)
         engine.backward(out.loss)
         engine.step()
         losses.append(out.loss.item())

@@ -299,9 +299,9 @@ def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdi
 
 def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seeded_plain_loads(workdir):
     """Where MoE fine-tuning starts from a causal LM's checkpoint: a reward model (a new `score` head, drawn as the
-    seeded plain load draws it, the old `lm_head` unexpected) and a bare body (`AutoModel`: `layers.N.mlp`, which no
-    AutoEP preset matches until the config names the pattern, as for engine-side AutoEP; without it, the same clear
-    error on every rank, saying what to name)."""
+    seeded plain load draws it, the old `lm_head` unexpected; 3 training steps give engine-side AutoEP's losses) and
+    a bare body (`AutoModel`: `layers.N.mlp`, which no AutoEP preset matches until the config names the pattern, as
+    for engine-side AutoEP; without it, the same clear error on every rank, saying what to name)."""
     path = checkpoint(workdir, "qwen3_moe")
     body = ep_ds_config(2, structure={"moe_layer_pattern": r"layers\.\d+\.mlp"})
     cases = [{"name": name, "path": path, "dtype": "bfloat16", "seed": 11, "ds_config": ds, "model_class": cls,
@@ -309,7 +309,14 @@ def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seede
              for i, (name, cls, ds) in enumerate((("reward model", "AutoModelForSequenceClassification", ep_ds_config(2)),
                                                   ("bare body", "AutoModel", body),
                                                   ("bare body, no pattern", "AutoModel", ep_ds_config(2))))]
-    dumps_ = run_torchrun(2, cases, workdir)
+    trained = [{**cases[0], "name": f"reward model trained, {v}", "upstream": v == "engine-side AutoEP",
+                "train_steps": 3, "all_ranks_state": False, "kwargs": {"experts_implementation": "eager"},
+                "out": os.path.join(workdir, f"ep_head_trained_{v.split()[0]}.pt")}
+               for v in ("ours", "engine-side AutoEP")]
+    *dumps_, ours, engine_side = run_torchrun(2, cases + trained, workdir)
+    for dump in (ours, engine_side):
+        assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
+    assert len(ours["rank0"]["losses"]) == 3 and ours["rank0"]["losses"] == engine_side["rank0"]["losses"]
     for case, dump in zip(cases[:2], dumps_):
         plain = plain_load(path, "bfloat16", case["model_class"], seed=11)
         covered = set()
