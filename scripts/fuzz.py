@@ -311,8 +311,8 @@ def run_ep(args, rng) -> list[str]:
         path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
                             rng.choice(["10GB", "9KB"]))
         case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
-                "dtype": "bfloat16", "ds_config": ep_ds_config(ep, "bfloat16", family, _ep_structure(family, config, args)),
-                "all_ranks_state": True,
+                "dtype": "bfloat16", "all_ranks_state": True,
+                "ds_config": ep_ds_config(ep, "bfloat16", family, _ep_structure(family, config, args)),
                 "model_class": args.model_class, "seed": 11,  # a new head: drawn as the seeded plain load draws it
                 "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")}
         if args.stream:  # one rank per "node", only node 0 with the files: the others receive their expert shares
