@@ -64,6 +64,10 @@ def main() -> None:
         print(f"finetune_moe: {len(losses)} steps, losses {', '.join(f'{x:.3f}' for x in losses)}; loaded as "
               f"{report['init_context']}" + (f" (ep_size {ep['ep_size']}, experts {ep['local_experts']} on rank 0)"
                                               if ep else ""))
+    # process groups left to interpreter teardown can abort it (gloo's worker threads; "terminate called without an
+    # active exception", seen once in this script's test)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

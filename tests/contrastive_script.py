@@ -51,3 +51,4 @@ def main(path: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    dist.destroy_process_group()  # not left to interpreter teardown, where gloo's threads can abort it
