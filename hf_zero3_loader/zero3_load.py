@@ -31,8 +31,8 @@ from .errors import CheckpointError, ConfigError, ConversionMismatchError, Loade
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
 from .nvme_offload import SwapOutAsCompleted, read_in_waves
-from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, missing_inputs, plan_tensors,
-                           resolve_checkpoint, suspicious_missing_keys)
+from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, checkpoint_bodies, missing_inputs,
+                           plan_tensors, resolve_checkpoint, suspicious_missing_keys)
 from .reader import FileReader, node_reads_whole_files, run_reads
 from .report import LoadReport
 from .staging import DEFAULT_STAGING_BYTES, run_staged_reads
@@ -292,17 +292,16 @@ class Zero3Load:
                                   f"does not hold (a shard or an index entry missing?):\n{lines}")
 
     def _refuse_broken_conversion(self, model, plan: LoadPlan) -> None:
-        suspicious = suspicious_missing_keys(plan, body=getattr(model, "base_model_prefix", ""))
+        body = getattr(model, "base_model_prefix", "")
+        suspicious = suspicious_missing_keys(plan, body)
         if not suspicious or self.allow_suspicious_missing:
             return
         lines = "\n".join(f"  {m} <- unexpected: {', '.join(u[:4])}{' ...' if len(u) > 4 else ''}" for m, u in suspicious)
-        body = getattr(model, "base_model_prefix", "")
-        other_bodies = sorted({u.split(".", 1)[0] for m, alike in suspicious if m.startswith(body + ".")
-                               for u in alike if u.split(".", 1)[-1] == m.split(".", 1)[1]})
+        other_bodies = checkpoint_bodies(suspicious, body)
         cause = (f"{type(model).__name__} holds its body as '{body}.', the checkpoint as "
                  f"{', '.join(repr(b + '.') for b in other_bodies)}, which transformers does not map; "
                  f"from_pretrained's key_mapping={{r'^{re.escape(other_bodies[0])}\\.': '{body}.'}} maps it"
-                 if body and other_bodies else
+                 if other_bodies else
                  f"the weight conversion for model type {getattr(model.config, 'model_type', '?')!r} did not match "
                  "this checkpoint's layout")
         raise ConversionMismatchError(

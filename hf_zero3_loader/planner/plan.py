@@ -492,5 +492,14 @@ def suspicious_missing_keys(plan: LoadPlan, body: str = "") -> list[tuple[str, l
     return found
 
 
+def checkpoint_bodies(suspicious: list[tuple[str, list[str]]], body: str) -> list[str]:
+    """The names the checkpoint gives the model's `body` among `suspicious_missing_keys(plan, body)` (its third
+    rule: `model` for a `transformer.layers.0...` missing beside `model.layers.0...`); [] if no pair is of that kind."""
+    if not body:
+        return []
+    return sorted({u.split(".", 1)[0] for m, alike in suspicious if m.startswith(body + ".")
+                   for u in alike if u.split(".", 1)[-1] == m.split(".", 1)[1]})
+
+
 def _without_wrappers(parts: list[str]) -> tuple:
     return tuple(p for p in parts if p != "model")
