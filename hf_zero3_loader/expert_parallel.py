@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _deepspeed_private as ds_private
+from . import log
 from .errors import ConfigError, LoaderError, UnsupportedConversionError
 from .planner.plan import LoadPlan, PartitionGroup, SourceBox
 
@@ -141,6 +142,33 @@ def structure_named(section: dict) -> bool:
     return bool(section.get("preset_model") or section.get("moe_layer_pattern"))
 
 
+# PEFT's wrapper (`get_peft_model`) names the model's modules `base_model.model.<name>`
+PEFT_WRAPPER_PREFIX = "base_model.model."
+
+
+def _section_for_unwrapped_model(model: torch.nn.Module, section: dict) -> dict:
+    """A `moe_layer_pattern` written for engine-side AutoEP on a PEFT-wrapped model (the engine sees the wrapper's
+    names, `base_model.model.model.layers.N.mlp`) names no module of the model this loader builds, before PEFT wraps
+    it. The config that works without the loader must work with it: the pattern is applied to the model's own names
+    (the engine then keeps the loader's layers and does not match it again). Any other pattern is left as given."""
+    pattern = section.get("moe_layer_pattern")
+    if not pattern:
+        return section
+    names = [name for name, _ in model.named_modules()]
+    if any(re.fullmatch(pattern, name) for name in names):
+        return section
+    wrapped = [name for name in names if re.fullmatch(pattern, PEFT_WRAPPER_PREFIX + name)]
+    if not wrapped:
+        return section
+    unwrapped = next((pattern[len(p):] for p in (re.escape(PEFT_WRAPPER_PREFIX), PEFT_WRAPPER_PREFIX)
+                      if pattern.startswith(p)), None)
+    if unwrapped is None or [n for n in names if re.fullmatch(unwrapped, n)] != wrapped:
+        unwrapped = "|".join(map(re.escape, wrapped))  # the layers it names, spelled out
+    log.info("expert_parallel.moe_layer_pattern %r names the MoE layers under PEFT's wrapper (%s...); this loader "
+             "builds them before the model is wrapped, as %r", pattern, PEFT_WRAPPER_PREFIX, unwrapped)
+    return {**section, "moe_layer_pattern": unwrapped}
+
+
 def _layer_pattern_hint(model: torch.nn.Module, section: dict, autoep_config) -> str:
     """AutoEP's presets name MoE layers where a causal LM holds them (`model.layers.N.mlp`); a bare body
     (`AutoModel`: `layers.N.mlp`) or a head whose body has another name (`transformer.layers.N.mlp`) matches none.
@@ -188,12 +216,13 @@ class ExpertParallelLayout:
                 f". As for DeepSpeed's engine-side AutoEP, a model of the same structure can name one in the config: "
                 f"expert_parallel.preset_model (one of {', '.join(sorted(ds_private.autoep_presets()))}), or custom "
                 f"patterns (expert_parallel.moe_layer_pattern, router_pattern, expert_pattern, ...)")
-        autoep_config = ds_private.parse_autoep_section(request.autoep_section)
+        section = _section_for_unwrapped_model(model, request.autoep_section)
+        autoep_config = ds_private.parse_autoep_section(section)
         try:
             specs = ds_private.detect_moe_layers(model, autoep_config)
         except ValueError as e:
             raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}"
-                              + _layer_pattern_hint(model, request.autoep_section, autoep_config)) from e
+                              + _layer_pattern_hint(model, section, autoep_config)) from e
         if not specs:
             raise ConfigError(f"DeepSpeed AutoEP found no MoE layer in this {model_type} model")
         for spec in specs:

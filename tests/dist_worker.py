@@ -71,7 +71,8 @@ def initialize(model, ds_config: dict, result: dict):
     import deepspeed
 
     with CollectiveCounter() as counter:
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
     result["init_collectives"] = {"calls": counter.calls, "bytes": counter.bytes, "largest": counter.largest}
     engine.train()
     return engine
@@ -357,6 +358,21 @@ def run_case(case: dict) -> dict:
     result["config"] = model.config.to_dict()
     if model.can_generate():
         result["generation_config"] = model.generation_config.to_dict()
+    if case.get("lora"):  # a PEFT LoRA adapter over the loaded model, added as TRL's `peft_config` adds it
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(case.get("seed", 0) + 1)
+        model = get_peft_model(model, LoraConfig(**case["lora"]))
+        if case.get("train_experts"):  # the experts trained whole beside the adapter
+            for name, p in model.named_parameters():
+                p.requires_grad_(p.requires_grad or ".experts." in name)
+        try:  # what Trainer.save_model writes the adapter from, with the import
+            from hf_zero3_loader.peft_adapters import trainable_state_dict
+
+            adapter = trainable_state_dict(model)
+            result["adapter_state"] = sorted(adapter) if adapter is not None else None
+        except Exception as e:
+            result["adapter_error"] = {"type": type(e).__name__, "message": str(e)}
     if case.get("train_steps"):
         engine = initialize(model, ds_config, result)
         seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently

@@ -1,6 +1,7 @@
 """The ecosystem as users call it: TRL's SFTTrainer(model="<path>"), and DPOTrainer with its reference model, under
 a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.auto` exactly as without it, and the
-SFT run's `save_model` (and accelerate's) write the same files without a gather; MoE blocks whose experts get no
+SFT run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same
+under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE blocks whose experts get no
 tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
 does."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tests.checkpoints import add_word_tokenizer, ep_config, make_checkpoint, trainable_moe_config
@@ -61,6 +63,60 @@ def test_trl_dpo_trainer_loads_its_reference_model_too_and_trains_the_same_with_
     assert ours["ref_model"] == upstream["ref_model"] == "DeepSpeedEngine"
     assert len(ours["logged"]) == 3 and ours["logged"][-1]["rewards/chosen"] != 0.0
     assert ours["logged"] == upstream["logged"]
+
+
+@pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
+def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter_gathering_only_it(workdir, mode):
+    """LoRA fine-tuning as TRL users write it (`SFTTrainer(model=path, peft_config=LoraConfig(...))`, then
+    `trainer.save_model`), under ZeRO-3 and under ZeRO-3 with expert parallelism. The losses are the plain path's bit
+    for bit (engine-side AutoEP under EP: its config names the MoE layers as PEFT's wrapper does, and the same file
+    loads with the loader). The Trainer saves the adapter from DeepSpeed's consolidated state dict, which gathers the
+    whole model (ZeRO-3) or is refused for AutoEP layers (EP: the run fails at its save); with the import only the
+    trainable parameters are gathered, and the files are the plain path's, byte for byte (ZeRO-3) or the adapter as
+    trained (EP)."""
+    from safetensors.torch import load_file
+
+    path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_lora_qwen3_moe"), "qwen3_moe",
+                                              config=ep_config("qwen3_moe")), 101)
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    if mode == "expert parallel":
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "use_grouped_mm": False,
+                                 "moe_layer_pattern": r"base_model\.model\.model\.layers\.\d+\.mlp"}
+    tag = mode.replace(" ", "_")
+    config = os.path.join(workdir, f"ds_trl_lora_{tag}.json")
+    with open(config, "w") as f:
+        json.dump(ds, f)
+    runs = {}
+    for variant in ("with-loader", "without"):
+        out = os.path.join(workdir, f"trl_lora_{tag}_{variant}.pt")
+        accelerate_launch(config, "trl_lora_script.py", path, out, variant)
+        runs[variant] = {**torch.load(out, weights_only=False), "saved": out + ".saved"}
+    ours, upstream = runs["with-loader"], runs["without"]
+    assert len(ours["losses"]) == 3 and ours["losses"] == upstream["losses"]
+    assert ours["adapter"].keys() == upstream["adapter"].keys() and len(ours["adapter"]) == 8
+    assert all(torch.equal(ours["adapter"][n], upstream["adapter"][n]) for n in ours["adapter"])
+    layers = ["AutoEPMoELayer"] if mode == "expert parallel" else ["Qwen3MoeSparseMoeBlock"]
+    assert ours["moe_layers"] == upstream["moe_layers"] == layers
+    assert ours["report"]["init_context"] == ("ep-meta" if mode == "expert parallel" else "zero3-meta")
+    # the save: ours gathers the adapter's bytes only, upstream every parameter of the model
+    adapter_bytes = sum(t.numel() * t.element_size() for t in ours["adapter"].values())
+    model_bytes = os.path.getsize(os.path.join(path, "model.safetensors")) // 2  # fp32 on disk, bf16 in training
+    assert ours["save_error"] is None and set(ours["save_collective_bytes"]) == {"deepspeed.all_gather_function"}
+    assert ours["save_collective_bytes"]["deepspeed.all_gather_function"] <= 2 * adapter_bytes
+    saved = load_file(os.path.join(ours["saved"], "adapter_model.safetensors"))
+    assert saved.keys() == {n.replace(".default.", ".") for n in ours["adapter"]}
+    assert all(torch.equal(saved[n.replace(".default.", ".")], t) for n, t in ours["adapter"].items())
+    if mode == "expert parallel":
+        assert upstream["save_error"].startswith("NotImplementedError") and "AutoEP" in upstream["save_error"]
+        return
+    assert sum(upstream["save_collective_bytes"].values()) >= model_bytes
+    names = sorted(os.listdir(upstream["saved"]))
+    assert sorted(os.listdir(ours["saved"])) == names and "adapter_model.safetensors" in names
+    for name in names:
+        if name != "training_args.bin":  # pickled arguments: same fields, not the same bytes
+            with open(os.path.join(ours["saved"], name), "rb") as a, open(os.path.join(upstream["saved"], name), "rb") as b:
+                assert a.read() == b.read(), f"{name} differs"
 
 
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe")

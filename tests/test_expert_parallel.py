@@ -8,6 +8,7 @@ it ships (FP8), dequantized on read into the local experts (also with `keep_in_f
 transformers 5.24 keeps its router in fp32). Model types without a preset whose config names their
 structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
 GLM-4.5 (MoE), MiniMax-M2 and Granite-MoE (which no preset fits), one of them trained against engine-side AutoEP.
+Task heads, bare bodies and a LoRA adapter over the loaded model train as engine-side AutoEP does.
 """
 
 from __future__ import annotations
@@ -334,3 +335,32 @@ def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seede
     errors = [r.get("error") for r in dumps_[2]["ranks"]]
     assert all(errors) and len({e["message"].split("] ", 1)[1] for e in errors}) == 1, errors
     assert errors[0]["type"] == "ConfigError" and r"moe_layer_pattern: 'layers\.\d+\.mlp'" in errors[0]["message"]
+
+
+def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoep(workdir):
+    """LoRA fine-tuning of a MoE under EP: PEFT wraps the loaded model (`get_peft_model`, as TRL's `peft_config`
+    does) and the engine keeps the loader's layers under the wrapper. Engine-side AutoEP sees the wrapper's names
+    and finds no MoE layer unless the config names them so (`base_model.model.model.layers.N.mlp`); that config
+    loads with the loader too (the pattern applied to the model's own names). 3 training steps, the same losses."""
+    path = checkpoint(workdir, "qwen3_moe")
+    peft_named = ep_ds_config(2, structure={"moe_layer_pattern": r"base_model\.model\.model\.layers\.\d+\.mlp"})
+    lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
+    variants = {"ours": ep_ds_config(2), "ours, the PEFT-named pattern": peft_named, "engine-side AutoEP": peft_named}
+    cases = [{"name": f"lora, {variant}", "path": path, "dtype": "bfloat16", "ds_config": ds,
+              "upstream": variant == "engine-side AutoEP", "lora": lora, "train_steps": 3,
+              "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, f"ep_lora_{i}.pt")}
+             for i, (variant, ds) in enumerate(variants.items())]
+    experts_trained = {**cases[0], "name": "lora, experts trained too", "train_steps": 0, "train_experts": True,
+                       "out": os.path.join(workdir, "ep_lora_experts.pt")}
+    *dumps_, experts = run_torchrun(2, cases + [experts_trained], workdir)
+    for case, dump in zip(cases, dumps_):
+        assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
+        assert len(dump["rank0"]["losses"]) == 3 and dump["rank0"]["losses"] == dumps_[-1]["rank0"]["losses"], case["name"]
+    for dump in dumps_[:2]:
+        assert all(r["report"]["expert_parallel"]["ep_size"] == 2 for r in dump["ranks"])
+    # the adapter the Trainer saves (with the import): the LoRA weights; not experts, which each rank holds its own of
+    rank0, rank1 = dumps_[0]["ranks"]
+    assert len(rank0["adapter_state"]) == 8 and all(".lora_" in n for n in rank0["adapter_state"])
+    assert rank1["adapter_state"] is None
+    errors = [r["adapter_error"] for r in experts["ranks"]]
+    assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError" and "are experts" in errors[0]["message"]

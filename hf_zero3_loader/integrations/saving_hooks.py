@@ -6,10 +6,11 @@ state dict in rank 0's memory) or, with that option off, write no model at all; 
 each partitioned parameter as an empty tensor (a dense model's checkpoint of `(0,)`-shaped weights, silently) or fails
 reverting MoE conversions ("chunk expects `chunks` to be greater than 0"). With `import hf_zero3_loader.auto` a
 partitioned `PreTrainedModel` is written by every rank from its own partitions instead; the files are the ones the
-gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT adapters, plain `nn.Module`s,
+gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT models, plain `nn.Module`s,
 ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and accelerate's saves of a model whose
 partitions are swapped out to NVMe (they gather it; a model's own `save_pretrained` of one is refused, not written
-empty).
+empty). The Trainer's save of a PEFT model over a ZeRO-3 base writes its adapter as before, but gathers only the
+trainable parameters (`peft_adapters.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def _partitioned_pretrained_model(model):
 def _trainer_save_model(original):
     @functools.wraps(original)
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        from ..peft_adapters import partitioned_peft_model, trainable_state_dict
+
+        if self.is_deepspeed_enabled and partitioned_peft_model(self.model) is not None:
+            # the adapter: DeepSpeed's consolidated state dict of the trainable parameters, gathering only them
+            self._save(output_dir, state_dict=trainable_state_dict(self.model))
+            if self.args.push_to_hub and not _internal_call:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+            return
         module = _partitioned_pretrained_model(self.model) if self.is_deepspeed_enabled else None
         if module is None:
             return original(self, output_dir, _internal_call)
