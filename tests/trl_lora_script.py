@@ -34,7 +34,8 @@ args = SFTConfig(output_dir=out + ".run", per_device_train_batch_size=1, max_ste
                  logging_steps=1, learning_rate=1e-2, bf16=True, report_to="none", save_strategy="no",
                  ddp_backend="gloo", seed=7, max_length=12, dataloader_num_workers=0, disable_tqdm=True,
                  model_init_kwargs={"experts_implementation": "eager"})
-peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+# LoRA on the attention projections, the output head trained whole beside it (PEFT keeps a trainable copy)
+peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
 trainer = SFTTrainer(model=path, args=args, train_dataset=Dataset.from_list(rows), peft_config=peft_config)
 trainer.train()
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
