@@ -341,21 +341,25 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     """LoRA fine-tuning of a MoE under EP: PEFT wraps the loaded model (`get_peft_model`, as TRL's `peft_config`
     does) and the engine keeps the loader's layers under the wrapper. Engine-side AutoEP sees the wrapper's names
     and finds no MoE layer unless the config names them so (`base_model.model.model.layers.N.mlp`); that config
-    loads with the loader too (the pattern applied to the model's own names). 3 training steps, the same losses."""
+    loads with the loader too (the pattern applied to the model's own names). 3 training steps, the same losses, then
+    the same generations."""
     path = checkpoint(workdir, "qwen3_moe")
     peft_named = ep_ds_config(2, structure={"moe_layer_pattern": r"base_model\.model\.model\.layers\.\d+\.mlp"})
     lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
     variants = {"ours": ep_ds_config(2), "ours, the PEFT-named pattern": peft_named, "engine-side AutoEP": peft_named}
     cases = [{"name": f"lora, {variant}", "path": path, "dtype": "bfloat16", "ds_config": ds,
-              "upstream": variant == "engine-side AutoEP", "lora": lora, "train_steps": 3,
+              "upstream": variant == "engine-side AutoEP", "lora": lora, "train_steps": 3, "generate": True,
               "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, f"ep_lora_{i}.pt")}
              for i, (variant, ds) in enumerate(variants.items())]
-    experts_trained = {**cases[0], "name": "lora, experts trained too", "train_steps": 0, "train_experts": True,
-                       "out": os.path.join(workdir, "ep_lora_experts.pt")}
+    experts_trained = {**cases[0], "name": "lora, experts trained too", "train_steps": 0, "generate": False,
+                       "train_experts": True, "out": os.path.join(workdir, "ep_lora_experts.pt")}
     *dumps_, experts = run_torchrun(2, cases + [experts_trained], workdir)
     for case, dump in zip(cases, dumps_):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
         assert len(dump["rank0"]["losses"]) == 3 and dump["rank0"]["losses"] == dumps_[-1]["rank0"]["losses"], case["name"]
+        # then generation, each rank to its own length (ZeRO-3 keeps the ranks' forwards, and EP's all-to-alls, in step)
+        assert [r["generated"] for r in dump["ranks"]] == [r["generated"] for r in dumps_[-1]["ranks"]], case["name"]
+    assert len(dumps_[0]["ranks"][1]["generated"][0]) > len(dumps_[0]["ranks"][0]["generated"][0])
     for dump in dumps_[:2]:
         assert all(r["report"]["expert_parallel"]["ep_size"] == 2 for r in dump["ranks"])
     # the adapter the Trainer saves (with the import): the LoRA weights; not experts, which each rank holds its own of
