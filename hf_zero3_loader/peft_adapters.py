@@ -41,7 +41,8 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | No
         raise ConfigError(
             f"{len(experts)} trainable parameters are experts under expert parallelism ({experts[0]}, ...): saving "
             "them as an adapter is not supported (each rank holds its own experts, named as DeepSpeed's AutoEP layer "
-            "names them); train adapters on the other modules, or save the whole model with save_pretrained")
+            "names them); train the adapter on other modules, or keep these in DeepSpeed's own checkpoint "
+            "(engine.save_checkpoint)")
     on_rank0 = dist.get_rank() == 0
     state: dict[str, torch.Tensor] = {}
     seen: dict[int, torch.Tensor] = {}  # a tied parameter, gathered once
