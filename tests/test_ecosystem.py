@@ -157,8 +157,10 @@ def test_every_moe_family_fuses_its_experts_into_one_module():
                 assert not isinstance(module, torch.nn.ModuleList), f"{family}: {name} is a per-expert ModuleList"
 
 
-def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir):
-    """scripts/finetune_moe.py as the README shows it, under the shipped ZeRO-3 + EP accelerate config."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir, lora):
+    """scripts/finetune_moe.py as the README shows it, under the shipped ZeRO-3 + EP accelerate config, training the
+    whole model or a LoRA adapter, then saving it."""
     import subprocess
     import sys
 
@@ -166,13 +168,16 @@ def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir
 
     model = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_qwen3_moe"), "qwen3_moe",
                                                config=trainable_moe_config()), 101)
+    out = os.path.join(workdir, f"finetune_run_{'lora' if lora else 'full'}")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3_ep.yaml",
            "--main_process_port", str(free_port()), "scripts/finetune_moe.py", "--model", model,
-           "--output-dir", os.path.join(workdir, "finetune_run"), "--max-steps", "2"]
+           "--output-dir", out, "--max-steps", "2", *(["--lora"] if lora else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "finetune_moe: 2 steps" in proc.stdout and "ep-meta (ep_size 2" in proc.stdout, proc.stdout[-2000:]
+    saved = {"adapter_model.safetensors", "adapter_config.json"} if lora else {"model.safetensors", "config.json"}
+    assert saved <= set(os.listdir(out)), os.listdir(out)
 
 
 def _lora_adapter(workdir: str, family: str, modules_to_save: list[str] | None = None) -> str:
