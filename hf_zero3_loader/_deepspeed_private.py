@@ -413,10 +413,15 @@ def _no_moe_layers_to_parse():
 _engine_wrapped = False
 
 
-def let_engine_accept_replaced_layers() -> None:
+_engine_checks: list = []  # called with the model and its loader-built layers, before the engine configures EP
+
+
+def let_engine_accept_replaced_layers(check=None) -> None:
     """Wrap `DeepSpeedEngine._configure_expert_parallel` (once): for a model holding AutoEP layers built by this
     loader, the engine creates its groups and folding spec as usual but does not parse or replace again."""
     global _engine_wrapped
+    if check is not None and check not in _engine_checks:
+        _engine_checks.append(check)
     if _engine_wrapped:
         return
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -429,6 +434,8 @@ def let_engine_accept_replaced_layers() -> None:
         if not ours:
             allow_registry_get_default()  # engine-side AutoEP on a transformers 5.23 model needs it too
             return original(self, model, collect_sources)
+        for check_model in _engine_checks:
+            check_model(model, ours)
         config = self._config.expert_parallel_config
         if config is not None and config.enabled and config.autoep_size != ours[0].ep_size:
             from .errors import ConfigError

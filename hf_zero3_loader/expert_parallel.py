@@ -142,6 +142,25 @@ def structure_named(section: dict) -> bool:
     return bool(section.get("preset_model") or section.get("moe_layer_pattern"))
 
 
+def refuse_parameters_added_to_experts(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+    """At `deepspeed.initialize`. A parameter added inside a loader-built AutoEP layer's experts after the load (PEFT's
+    LoRA on `experts.w1` through `target_parameters`, ...) belongs to this rank's local experts, yet ZeRO-3 would take
+    it as an ordinary parameter: partitioned over the whole world and its gradients averaged across ranks that hold
+    different experts. That trains silently wrong, so it is refused, on every rank alike (the ranks' models have the
+    same structure)."""
+    from deepspeed.moe.utils import is_moe_param
+
+    names = {id(m): n for n, m in model.named_modules()}
+    added = [f"{names.get(id(layer), '?')}.experts.{name}" for layer in layers
+             for name, p in layer.experts.named_parameters() if not is_moe_param(p)]
+    if added:
+        raise ConfigError(
+            f"{len(added)} parameters were added inside the expert-parallel experts after the load ({added[0]}, ...; "
+            "PEFT's LoRA on the experts?): each rank holds its own experts, but ZeRO-3 would partition these over "
+            "every rank and average their gradients across ranks holding different experts. Adapt the other modules "
+            "(attention, shared experts), or train the experts themselves")
+
+
 # PEFT's wrapper (`get_peft_model`) names the model's modules `base_model.model.<name>`
 PEFT_WRAPPER_PREFIX = "base_model.model."
 
@@ -250,7 +269,7 @@ class ExpertParallelLayout:
             if name not in boxes and names_before.get(id(tensor), name) != name:  # a module kept under a new name
                 layout.renames[name] = SourceBox(names_before[id(tensor)])
         layout.sources = layout.sources_for(groups.ep_rank)
-        ds_private.let_engine_accept_replaced_layers()
+        ds_private.let_engine_accept_replaced_layers(check=refuse_parameters_added_to_experts)
         return layout
 
     def sources_for(self, ep_rank: int) -> dict[str, SourceBox]:

@@ -374,7 +374,13 @@ def run_case(case: dict) -> dict:
         except Exception as e:
             result["adapter_error"] = {"type": type(e).__name__, "message": str(e)}
     if case.get("train_steps"):
-        engine = initialize(model, ds_config, result)
+        try:
+            engine = initialize(model, ds_config, result)
+        except Exception as e:
+            if not case.get("expect_initialize_error"):
+                raise
+            result["initialize_error"] = {"type": type(e).__name__, "message": str(e)}
+            return result
         seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently
         result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size, seed,
                                         case.get("seq_len", 12))

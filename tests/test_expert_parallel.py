@@ -353,7 +353,12 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
              for i, (variant, ds) in enumerate(variants.items())]
     experts_trained = {**cases[0], "name": "lora, experts trained too", "train_steps": 0, "generate": False,
                        "train_experts": True, "out": os.path.join(workdir, "ep_lora_experts.pt")}
-    *dumps_, experts = run_torchrun(2, cases + [experts_trained], workdir)
+    # LoRA on the experts themselves (PEFT's target_parameters): each rank's adapter would be its own experts', but
+    # ZeRO-3 would partition and average it over the world: refused at deepspeed.initialize
+    lora_on_experts = {**cases[0], "name": "lora on the experts", "generate": False, "expect_initialize_error": True,
+                       "lora": {**lora, "target_parameters": ["mlp.experts.w1"]},
+                       "out": os.path.join(workdir, "ep_lora_on_experts.pt")}
+    *dumps_, experts, on_experts = run_torchrun(2, cases + [experts_trained, lora_on_experts], workdir)
     for case, dump in zip(cases, dumps_):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
         assert len(dump["rank0"]["losses"]) == 3 and dump["rank0"]["losses"] == dumps_[-1]["rank0"]["losses"], case["name"]
@@ -368,3 +373,6 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     assert rank1["adapter_state"] is None
     errors = [r["adapter_error"] for r in experts["ranks"]]
     assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError" and "are experts" in errors[0]["message"]
+    errors = [r["initialize_error"] for r in on_experts["ranks"]]
+    assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
+    assert "added inside the expert-parallel experts" in errors[0]["message"] and ".lora_A." in errors[0]["message"]
