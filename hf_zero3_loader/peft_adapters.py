@@ -1,10 +1,14 @@
 """Saving a PEFT adapter (LoRA, ...) trained over a ZeRO-3 model: gather only what the adapter holds.
 
-`Trainer.save_model` of a PEFT model under ZeRO-3 takes DeepSpeed's `_zero3_consolidated_16bit_state_dict(
-exclude_frozen_parameters=True)` and lets PEFT keep the adapter's keys. DeepSpeed gathers every parameter of the model
-for it, one module at a time (the whole frozen base through collectives, to keep a few MB of adapter), and refuses
-any model with AutoEP layers (so a LoRA run under expert parallelism trains, then fails at its save). Only the
-trainable parameters are gathered here; the state dict is the one DeepSpeed's gives, and the files are PEFT's.
+Under ZeRO-3 a PEFT model's own `save_pretrained` writes each partitioned adapter tensor as this rank's empty slice
+(PEFT warns, and the adapter is lost). `Trainer.save_model` of a PEFT model takes DeepSpeed's
+`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)` instead, which gathers every parameter of the
+model, one module at a time (the whole frozen base through collectives, to keep a few MB of adapter), keeps only
+trainable ones (a second, inactive adapter is saved empty), and refuses any model with AutoEP layers (so a LoRA run
+under expert parallelism trains, then fails at its save).
+
+Here PEFT's own selection (`get_peft_model_state_dict`, run on the model's unmaterialised tensors) says which
+parameters an adapter save writes; only those are gathered, and PEFT writes its files from them as usual.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 
 import torch
 
+from . import _deepspeed_private as ds_private
 from .errors import ConfigError
 
 
@@ -26,39 +31,57 @@ def partitioned_peft_model(model: torch.nn.Module):
     return model if is_partitioned(model.get_base_model()) else None
 
 
-def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """What `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)` gives (every trainable parameter
-    gathered, each module's together; the persistent buffers; a tied parameter under each of its names), on rank 0;
-    None on the other ranks. Every rank calls it. A trainable parameter that is an expert's under expert parallelism
-    (its partitions span its expert-data-parallel group only, and its name is AutoEP's, not the checkpoint's) is
-    refused on every rank."""
+def adapter_names(model, adapters=None, save_embedding_layers="auto") -> list[str]:
+    """The model's tensor names that PEFT's save of `adapters` (default: all) writes, in PEFT's own selection."""
+    from peft.utils import get_peft_model_state_dict
+
+    tensors = model.state_dict(keep_vars=True)  # the parameters themselves: PEFT selects them by name, unread
+    chosen: set[int] = set()
+    for adapter in adapters or list(model.peft_config):
+        selected = get_peft_model_state_dict(model, state_dict=tensors, adapter_name=adapter,
+                                             save_embedding_layers=save_embedding_layers)
+        chosen.update(id(t) for t in selected.values())
+    return [name for name, t in tensors.items() if id(t) in chosen]
+
+
+def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
+                       on_every_rank: bool = False) -> dict[str, torch.Tensor] | None:
+    """The adapter's tensors, gathered (each module's together), under the model's names, for PEFT's
+    `save_pretrained(state_dict=...)`: on rank 0, or on every rank; None elsewhere. Every rank calls it; the ranks
+    agree first, so one that calls it alone fails (after the join timeout) instead of hanging in a gather. Adapter
+    tensors inside the experts of an expert-parallel layer (each rank holds its own experts, under AutoEP's names;
+    `deepspeed.initialize` refuses to train them too) are refused on every rank."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.moe.utils import is_moe_param
 
-    experts = [name for name, p in model.named_parameters() if p.requires_grad and is_moe_param(p)]
-    if experts:
-        raise ConfigError(
-            f"{len(experts)} trainable parameters are experts under expert parallelism ({experts[0]}, ...): saving "
-            "them as an adapter is not supported (each rank holds its own experts, named as DeepSpeed's AutoEP layer "
-            "names them); train the adapter on other modules, or keep these in DeepSpeed's own checkpoint "
-            "(engine.save_checkpoint)")
-    on_rank0 = dist.get_rank() == 0
-    state: dict[str, torch.Tensor] = {}
-    seen: dict[int, torch.Tensor] = {}  # a tied parameter, gathered once
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{prefix}." if prefix else ""
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if not params and not on_rank0:
-            continue
-        with deepspeed.zero.GatheredParameters([p for _, p in params if id(p) not in seen]):
-            for name, p in params:
-                if id(p) not in seen:
-                    seen[id(p)] = p.detach().cpu().clone() if on_rank0 else p
-                if on_rank0:
-                    state[prefix + name] = seen[id(p)]
-        if on_rank0:
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer is not None and name not in module._non_persistent_buffers_set:
-                    state[prefix + name] = buffer.detach().cpu()
-    return state if on_rank0 else None
+    from .agreement import Agreement
+
+    names = set(adapter_names(model, adapters, save_embedding_layers))
+    # inside a loader-built AutoEP layer's experts: LoRA on them, or PEFT's whole copy of the layer (whose copied
+    # tensors no longer say they are experts')
+    in_experts = {id(p) for m in model.modules() if getattr(m, ds_private.BUILT_BY_LOADER, False)
+                  for p in m.experts.parameters()}
+    experts = [name for name, p in model.named_parameters(remove_duplicate=False)
+               if name in names and (is_moe_param(p) or id(p) in in_experts)]
+    agreement = Agreement()
+    try:
+        error = None if not experts else ConfigError(
+            f"{len(experts)} adapter tensors are experts under expert parallelism ({experts[0]}, ...): saving them as "
+            "an adapter is not supported (each rank holds its own experts, under DeepSpeed AutoEP's names); put the "
+            "adapter on other modules (attention, shared experts)")
+        agreement.check("save the PEFT adapter", error)
+        keep = on_every_rank or dist.get_rank() == 0
+        state: dict[str, torch.Tensor] = {}
+        with agreement.collective_section("gather the PEFT adapter"):
+            for prefix, module in model.named_modules(remove_duplicate=False):
+                prefix = f"{prefix}." if prefix else ""
+                params = [(prefix + n, p) for n, p in module.named_parameters(recurse=False) if prefix + n in names]
+                buffers = [(prefix + n, b) for n, b in module.named_buffers(recurse=False) if prefix + n in names]
+                if params:
+                    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                        state.update((n, p.detach().cpu().clone()) for n, p in params if keep)
+                state.update((n, b.detach().cpu()) for n, b in buffers if keep)
+    finally:
+        agreement.close()
+    return state if keep else None

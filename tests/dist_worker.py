@@ -363,14 +363,11 @@ def run_case(case: dict) -> dict:
 
         torch.manual_seed(case.get("seed", 0) + 1)
         model = get_peft_model(model, LoraConfig(**case["lora"]))
-        if case.get("train_experts"):  # the experts trained whole beside the adapter
-            for name, p in model.named_parameters():
-                p.requires_grad_(p.requires_grad or ".experts." in name)
         try:  # what Trainer.save_model writes the adapter from, with the import
-            from hf_zero3_loader.peft_adapters import trainable_state_dict
+            from hf_zero3_loader.peft_adapters import adapter_state_dict
 
-            adapter = trainable_state_dict(model)
-            result["adapter_state"] = sorted(adapter) if adapter is not None else None
+            adapter = adapter_state_dict(model)
+            result["adapter_state"] = adapter
         except Exception as e:
             result["adapter_error"] = {"type": type(e).__name__, "message": str(e)}
     if case.get("train_steps"):
@@ -384,6 +381,18 @@ def run_case(case: dict) -> dict:
         seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently
         result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size, seed,
                                         case.get("seq_len", 12))
+        if case.get("peft_save"):  # PEFT's own save_pretrained of the trained adapter, on every rank (an on_save callback)
+            import deepspeed
+
+            from hf_zero3_loader.integrations import saving_hooks
+
+            result["adapter_trained"] = {}
+            for name, p in model.named_parameters():
+                if ".lora_" in name:
+                    with deepspeed.zero.GatheredParameters([p]):
+                        result["adapter_trained"][name] = p.detach().clone()
+            saving_hooks.install()  # what `import hf_zero3_loader.auto` does
+            model.save_pretrained(case["out"] + ".adapter", is_main_process=dist.get_rank() == 0)
         if case.get("checkpoint_roundtrip"):
             result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
     if case.get("generate"):  # each rank asks for a different length: generate must keep the ranks in step

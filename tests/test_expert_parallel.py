@@ -351,14 +351,15 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
               "upstream": variant == "engine-side AutoEP", "lora": lora, "train_steps": 3, "generate": True,
               "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, f"ep_lora_{i}.pt")}
              for i, (variant, ds) in enumerate(variants.items())]
-    experts_trained = {**cases[0], "name": "lora, experts trained too", "train_steps": 0, "generate": False,
-                       "train_experts": True, "out": os.path.join(workdir, "ep_lora_experts.pt")}
-    # LoRA on the experts themselves (PEFT's target_parameters): each rank's adapter would be its own experts', but
-    # ZeRO-3 would partition and average it over the world: refused at deepspeed.initialize
-    lora_on_experts = {**cases[0], "name": "lora on the experts", "generate": False, "expect_initialize_error": True,
-                       "lora": {**lora, "target_parameters": ["mlp.experts.w1"]},
-                       "out": os.path.join(workdir, "ep_lora_on_experts.pt")}
-    *dumps_, experts, on_experts = run_torchrun(2, cases + [experts_trained, lora_on_experts], workdir)
+    # adapters over the experts themselves: LoRA on them (PEFT's target_parameters), or the MoE blocks trained whole
+    # beside the adapter (PEFT's modules_to_save copy). Each rank's copy holds its own experts, but ZeRO-3 would
+    # partition and average it over the world: refused at deepspeed.initialize, and by the adapter save
+    over_experts = [{**cases[0], "name": name, "train_steps": 1, "generate": False, "expect_initialize_error": True,
+                     "lora": {**lora, **extra}, "out": os.path.join(workdir, f"ep_lora_over_experts_{i}.pt")}
+                    for i, (name, extra) in enumerate((("lora on the experts", {"target_parameters": ["mlp.experts.w1"]}),
+                                                        ("MoE blocks trained whole", {"modules_to_save": ["mlp"]})))]
+    cases[0]["peft_save"] = True
+    *dumps_, on_experts, blocks = run_torchrun(2, cases + over_experts, workdir)
     for case, dump in zip(cases, dumps_):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
         assert len(dump["rank0"]["losses"]) == 3 and dump["rank0"]["losses"] == dumps_[-1]["rank0"]["losses"], case["name"]
@@ -371,8 +372,18 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     rank0, rank1 = dumps_[0]["ranks"]
     assert len(rank0["adapter_state"]) == 8 and all(".lora_" in n for n in rank0["adapter_state"])
     assert rank1["adapter_state"] is None
-    errors = [r["adapter_error"] for r in experts["ranks"]]
-    assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError" and "are experts" in errors[0]["message"]
-    errors = [r["initialize_error"] for r in on_experts["ranks"]]
-    assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
-    assert "added inside the expert-parallel experts" in errors[0]["message"] and ".lora_A." in errors[0]["message"]
+    # after training, PEFT's own save_pretrained on every rank (with the import) writes the trained adapter, not each
+    # rank's empty slice of it
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(cases[0]["out"] + ".adapter", "adapter_model.safetensors"))
+    want = {n.replace(".default.", "."): t for n, t in rank0["adapter_trained"].items()}
+    assert saved.keys() == want.keys() and all(torch.equal(saved[n], t) for n, t in want.items())
+    assert all(t.dim() == 2 and t.numel() > 0 for t in want.values()) and len(want) == 8
+    assert any(not torch.equal(t, rank0["adapter_state"][n]) for n, t in rank0["adapter_trained"].items())
+    for dump, tensor in ((on_experts, ".experts.lora_A."), (blocks, ".mlp.modules_to_save.default.experts.w1")):
+        errors = [r["adapter_error"] for r in dump["ranks"]]
+        assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError" and tensor in errors[0]["message"], errors
+        errors = [r["initialize_error"] for r in dump["ranks"]]
+        assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
+        assert "added inside the expert-parallel experts" in errors[0]["message"], errors

@@ -1,5 +1,5 @@
 """Route `Trainer.save_model`, `Accelerator.save_model` and `PreTrainedModel.save_pretrained` through
-`hf_zero3_loader.save_pretrained` for ZeRO-3 models.
+`hf_zero3_loader.save_pretrained` for ZeRO-3 models, and PEFT adapters' saves through `peft_adapters.py`.
 
 The first two gather today (`stage3_gather_16bit_weights_on_model_save`: every parameter all-gathered, the whole
 state dict in rank 0's memory) or, with that option off, write no model at all; a model's own `save_pretrained` writes
@@ -9,8 +9,8 @@ partitioned `PreTrainedModel` is written by every rank from its own partitions i
 gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT models, plain `nn.Module`s,
 ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and accelerate's saves of a model whose
 partitions are swapped out to NVMe (they gather it; a model's own `save_pretrained` of one is refused, not written
-empty). The Trainer's save of a PEFT model over a ZeRO-3 base writes its adapter as before, but gathers only the
-trainable parameters (`peft_adapters.py`).
+empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or PEFT's own `save_pretrained` called on every
+rank) writes its adapter as PEFT does, from the adapter's tensors alone gathered (`peft_adapters.py`).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ def _partitioned_pretrained_model(model):
 def _trainer_save_model(original):
     @functools.wraps(original)
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        from ..peft_adapters import partitioned_peft_model, trainable_state_dict
+        from ..peft_adapters import adapter_state_dict, partitioned_peft_model
 
         if self.is_deepspeed_enabled and partitioned_peft_model(self.model) is not None:
-            # the adapter: DeepSpeed's consolidated state dict of the trainable parameters, gathering only them
-            self._save(output_dir, state_dict=trainable_state_dict(self.model))
+            # the adapter, gathered alone (upstream: DeepSpeed's consolidated state dict, every parameter gathered)
+            self._save(output_dir, state_dict=adapter_state_dict(self.model))
             if self.args.push_to_hub and not _internal_call:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
             return
@@ -124,7 +124,33 @@ def _model_save_pretrained(original):
     return save_pretrained
 
 
+def _peft_save_pretrained(original):
+    """PEFT's `save_pretrained` of a PEFT model over a partitioned base (a Trainer callback's `on_save`, a custom
+    loop): every rank gathers the adapter, then PEFT writes it as usual. Without this PEFT writes each partitioned
+    tensor as this rank's empty slice (with a warning): an adapter that loads as nothing."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        import torch.distributed as dist
+
+        from ..peft_adapters import adapter_state_dict, partitioned_peft_model
+
+        if (kwargs.get("state_dict") is not None or not (dist.is_available() and dist.is_initialized())
+                or partitioned_peft_model(self) is None):
+            return original(self, save_directory, *args, **kwargs)
+        bound = signature.bind(self, save_directory, *args, **kwargs).arguments
+        state = adapter_state_dict(self, bound.get("selected_adapters"), bound.get("save_embedding_layers", "auto"),
+                                   on_every_rank=True)  # each rank writes where its is_main_process says
+        return original(self, save_directory, *args, state_dict=state, **kwargs)
+
+    return save_pretrained
+
+
 TARGETS = {"transformers.trainer": ("Trainer", "save_model", _trainer_save_model),
+           "peft.peft_model": ("PeftModel", "save_pretrained", _peft_save_pretrained),
            "accelerate.accelerator": ("Accelerator", "save_model", _accelerator_save_model),
            "transformers.modeling_utils": ("PreTrainedModel", "save_pretrained", _model_save_pretrained)}
 
