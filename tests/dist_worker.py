@@ -388,7 +388,7 @@ def run_case(case: dict) -> dict:
 
             result["adapter_trained"] = {}
             for name, p in model.named_parameters():
-                if ".lora_" in name:
+                if ".lora_" in name or ".modules_to_save." in name:
                     with deepspeed.zero.GatheredParameters([p]):
                         result["adapter_trained"][name] = p.detach().clone()
             saving_hooks.install()  # what `import hf_zero3_loader.auto` does

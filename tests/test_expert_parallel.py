@@ -359,7 +359,10 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
                     for i, (name, extra) in enumerate((("lora on the experts", {"target_parameters": ["mlp.experts.w1"]}),
                                                         ("MoE blocks trained whole", {"modules_to_save": ["mlp"]})))]
     cases[0]["peft_save"] = True
-    *dumps_, on_experts, blocks = run_torchrun(2, cases + over_experts, workdir)
+    # the same save under plain ZeRO-3 (tests/test_ecosystem.py saves one with a modules_to_save copy, through TRL)
+    dense = {**cases[0], "name": "lora, ZeRO-3", "ds_config": ds_config_for("bfloat16"),
+             "generate": False, "train_steps": 2, "out": os.path.join(workdir, "lora_zero3.pt")}
+    *dumps_, on_experts, blocks, plain_zero3 = run_torchrun(2, cases + over_experts + [dense], workdir)
     for case, dump in zip(cases, dumps_):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
         assert len(dump["rank0"]["losses"]) == 3 and dump["rank0"]["losses"] == dumps_[-1]["rank0"]["losses"], case["name"]
@@ -376,11 +379,14 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     # rank's empty slice of it
     from safetensors.torch import load_file
 
-    saved = load_file(os.path.join(cases[0]["out"] + ".adapter", "adapter_model.safetensors"))
-    want = {n.replace(".default.", "."): t for n, t in rank0["adapter_trained"].items()}
-    assert saved.keys() == want.keys() and all(torch.equal(saved[n], t) for n, t in want.items())
-    assert all(t.dim() == 2 and t.numel() > 0 for t in want.values()) and len(want) == 8
-    assert any(not torch.equal(t, rank0["adapter_state"][n]) for n, t in rank0["adapter_trained"].items())
+    assert plain_zero3["rank0"]["report"]["init_context"] == "zero3-meta"
+    for case, dump in ((cases[0], dumps_[0]), (dense, plain_zero3)):
+        trained = dump["ranks"][0]["adapter_trained"]
+        saved = load_file(os.path.join(case["out"] + ".adapter", "adapter_model.safetensors"))
+        want = {n.replace(".modules_to_save.default.", ".").replace(".default.", "."): t for n, t in trained.items()}
+        assert saved.keys() == want.keys() and all(torch.equal(saved[n], t) for n, t in want.items()), case["name"]
+        assert all(t.dim() == 2 and t.numel() > 0 for t in want.values()) and len(want) == 8, case["name"]
+        assert any(not torch.equal(t, dump["ranks"][0]["adapter_state"][n]) for n, t in trained.items()), case["name"]
     for dump, tensor in ((on_experts, ".experts.lora_A."), (blocks, ".mlp.modules_to_save.default.experts.w1")):
         errors = [r["adapter_error"] for r in dump["ranks"]]
         assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError" and tensor in errors[0]["message"], errors
