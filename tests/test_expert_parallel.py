@@ -342,7 +342,9 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     does) and the engine keeps the loader's layers under the wrapper. Engine-side AutoEP sees the wrapper's names
     and finds no MoE layer unless the config names them so (`base_model.model.model.layers.N.mlp`); that config
     loads with the loader too (the pattern applied to the model's own names). 3 training steps, the same losses, then
-    the same generations."""
+    the same generations. Saving the adapter (with the import): the Trainer's state dict and PEFT's own
+    `save_pretrained` on every rank hold the trained adapter, here and under plain ZeRO-3; adapters over the experts
+    themselves are refused, at the save and at `deepspeed.initialize`."""
     path = checkpoint(workdir, "qwen3_moe")
     peft_named = ep_ds_config(2, structure={"moe_layer_pattern": r"base_model\.model\.model\.layers\.\d+\.mlp"})
     lora = {"r": 4, "target_modules": ["q_proj", "v_proj"], "init_lora_weights": False}
