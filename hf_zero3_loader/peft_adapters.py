@@ -57,19 +57,24 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
 
     from .agreement import Agreement
 
-    names = set(adapter_names(model, adapters, save_embedding_layers))
-    # inside a loader-built AutoEP layer's experts: LoRA on them, or PEFT's whole copy of the layer (whose copied
-    # tensors no longer say they are experts')
-    in_experts = {id(p) for m in model.modules() if getattr(m, ds_private.BUILT_BY_LOADER, False)
-                  for p in m.experts.parameters()}
-    experts = [name for name, p in model.named_parameters(remove_duplicate=False)
-               if name in names and (is_moe_param(p) or id(p) in in_experts)]
     agreement = Agreement()
     try:
-        error = None if not experts else ConfigError(
-            f"{len(experts)} adapter tensors are experts under expert parallelism ({experts[0]}, ...): saving them as "
-            "an adapter is not supported (each rank holds its own experts, under DeepSpeed AutoEP's names); put the "
-            "adapter on other modules (attention, shared experts)")
+        error = None
+        try:
+            names = set(adapter_names(model, adapters, save_embedding_layers))
+            # inside a loader-built AutoEP layer's experts: LoRA on them, or PEFT's whole copy of the layer (whose
+            # copied tensors no longer say they are experts')
+            in_experts = {id(p) for m in model.modules() if getattr(m, ds_private.BUILT_BY_LOADER, False)
+                          for p in m.experts.parameters()}
+            experts = [name for name, p in model.named_parameters(remove_duplicate=False)
+                       if name in names and (is_moe_param(p) or id(p) in in_experts)]
+            if experts:
+                error = ConfigError(
+                    f"{len(experts)} adapter tensors are experts under expert parallelism ({experts[0]}, ...): saving "
+                    "them as an adapter is not supported (each rank holds its own experts, under DeepSpeed AutoEP's "
+                    "names); put the adapter on other modules (attention, shared experts)")
+        except Exception as e:  # agreed on below: every rank raises it, none waits in the gather
+            error = e
         agreement.check("save the PEFT adapter", error)
         keep = on_every_rank or dist.get_rank() == 0
         state: dict[str, torch.Tensor] = {}
