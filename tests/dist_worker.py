@@ -363,6 +363,8 @@ def run_case(case: dict) -> dict:
 
         torch.manual_seed(case.get("seed", 0) + 1)
         model = get_peft_model(model, LoraConfig(**case["lora"]))
+        if case.get("second_adapter"):  # another adapter beside the active one, frozen while "default" trains
+            model.add_adapter("other", LoraConfig(**case["second_adapter"]))
         try:  # what Trainer.save_model writes the adapter from, with the import
             from hf_zero3_loader.peft_adapters import adapter_state_dict
 

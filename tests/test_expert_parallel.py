@@ -361,9 +361,12 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
                     for i, (name, extra) in enumerate((("lora on the experts", {"target_parameters": ["mlp.experts.w1"]}),
                                                         ("MoE blocks trained whole", {"modules_to_save": ["mlp"]})))]
     cases[0]["peft_save"] = True
-    # the same save under plain ZeRO-3 (tests/test_ecosystem.py saves one with a modules_to_save copy, through TRL)
-    dense = {**cases[0], "name": "lora, ZeRO-3", "ds_config": ds_config_for("bfloat16"),
-             "generate": False, "train_steps": 2, "out": os.path.join(workdir, "lora_zero3.pt")}
+    # the same save under plain ZeRO-3 (tests/test_ecosystem.py saves one with a modules_to_save copy, through TRL),
+    # with a second, inactive adapter: DeepSpeed's consolidated state dict (the Trainer's, without the import) holds
+    # trainable tensors only, and PEFT then writes the active adapter's tensors as the other one's
+    dense = {**cases[0], "name": "lora, ZeRO-3", "ds_config": ds_config_for("bfloat16"), "generate": False,
+             "second_adapter": {"r": 2, "target_modules": ["v_proj"], "init_lora_weights": False}, "train_steps": 2,
+             "out": os.path.join(workdir, "lora_zero3.pt")}
     *dumps_, on_experts, blocks, plain_zero3 = run_torchrun(2, cases + over_experts + [dense], workdir)
     for case, dump in zip(cases, dumps_):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
@@ -382,13 +385,17 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     from safetensors.torch import load_file
 
     assert plain_zero3["rank0"]["report"]["init_context"] == "zero3-meta"
-    for case, dump in ((cases[0], dumps_[0]), (dense, plain_zero3)):
+    for case, dump, adapters in ((cases[0], dumps_[0], {"default": ""}),
+                                 (dense, plain_zero3, {"default": "", "other": "other"})):
         trained = dump["ranks"][0]["adapter_trained"]
-        saved = load_file(os.path.join(case["out"] + ".adapter", "adapter_model.safetensors"))
-        want = {n.replace(".modules_to_save.default.", ".").replace(".default.", "."): t for n, t in trained.items()}
-        assert saved.keys() == want.keys() and all(torch.equal(saved[n], t) for n, t in want.items()), case["name"]
-        assert all(t.dim() == 2 and t.numel() > 0 for t in want.values()) and len(want) == 8, case["name"]
         assert any(not torch.equal(t, dump["ranks"][0]["adapter_state"][n]) for n, t in trained.items()), case["name"]
+        for adapter, folder in adapters.items():
+            saved = load_file(os.path.join(case["out"] + ".adapter", folder, "adapter_model.safetensors"))
+            want = {n.replace(f".{adapter}.", "."): t for n, t in trained.items() if f".{adapter}." in n}
+            assert saved.keys() == want.keys(), (case["name"], adapter, sorted(saved), sorted(want))
+            assert all(torch.equal(saved[n], t) for n, t in want.items()), (case["name"], adapter)
+            assert all(t.dim() == 2 and t.numel() > 0 for t in want.values()), (case["name"], adapter)
+            assert len(want) == (8 if adapter == "default" else 4), (case["name"], adapter)
     for dump, tensor in ((on_experts, ".experts.lora_A."), (blocks, ".mlp.modules_to_save.default.experts.w1")):
         errors = [r["adapter_error"] for r in dump["ranks"]]
         assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError" and tensor in errors[0]["message"], errors
