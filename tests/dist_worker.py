@@ -394,7 +394,10 @@ def run_case(case: dict) -> dict:
                     with deepspeed.zero.GatheredParameters([p]):
                         result["adapter_trained"][name] = p.detach().clone()
             saving_hooks.install()  # what `import hf_zero3_loader.auto` does
-            model.save_pretrained(case["out"] + ".adapter", is_main_process=dist.get_rank() == 0)
+            try:
+                model.save_pretrained(case["out"] + ".adapter", is_main_process=dist.get_rank() == 0)
+            finally:
+                saving_hooks.uninstall()
         if case.get("checkpoint_roundtrip"):
             result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
     if case.get("generate"):  # each rank asks for a different length: generate must keep the ranks in step
