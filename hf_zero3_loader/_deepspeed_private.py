@@ -413,7 +413,7 @@ def _no_moe_layers_to_parse():
 _engine_wrapped = False
 
 
-_engine_checks: list = []  # called with the model and its loader-built layers, before the engine configures EP
+_engine_checks: list = []  # called with a model holding loader-built layers, before the engine configures EP
 
 
 def let_engine_accept_replaced_layers(check=None) -> None:
@@ -435,7 +435,7 @@ def let_engine_accept_replaced_layers(check=None) -> None:
             allow_registry_get_default()  # engine-side AutoEP on a transformers 5.23 model needs it too
             return original(self, model, collect_sources)
         for check_model in _engine_checks:
-            check_model(model, ours)
+            check_model(model)
         config = self._config.expert_parallel_config
         if config is not None and config.enabled and config.autoep_size != ours[0].ep_size:
             from .errors import ConfigError

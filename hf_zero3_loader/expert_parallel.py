@@ -142,17 +142,23 @@ def structure_named(section: dict) -> bool:
     return bool(section.get("preset_model") or section.get("moe_layer_pattern"))
 
 
-def refuse_parameters_added_to_experts(model: torch.nn.Module, layers: list[torch.nn.Module]) -> None:
+def parameters_in_loaded_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Every parameter inside the experts of the AutoEP layers this loader built (wrappers and copies PEFT made of
+    them included: a copied layer keeps the loader's mark), under its name in `model`."""
+    return [(f"{name}.experts.{p_name}" if name else f"experts.{p_name}", p)
+            for name, layer in model.named_modules() if getattr(layer, ds_private.BUILT_BY_LOADER, False)
+            for p_name, p in layer.experts.named_parameters()]
+
+
+def refuse_parameters_added_to_experts(model: torch.nn.Module) -> None:
     """At `deepspeed.initialize`. A parameter added inside a loader-built AutoEP layer's experts after the load (PEFT's
-    LoRA on `experts.w1` through `target_parameters`, ...) belongs to this rank's local experts, yet ZeRO-3 would take
-    it as an ordinary parameter: partitioned over the whole world and its gradients averaged across ranks that hold
-    different experts. That trains silently wrong, so it is refused, on every rank alike (the ranks' models have the
-    same structure)."""
+    LoRA on `experts.w1` through `target_parameters`, or PEFT's copy of the whole layer, whose tensors lose
+    DeepSpeed's expert mark) belongs to this rank's local experts, yet ZeRO-3 would take it as an ordinary parameter:
+    partitioned over the whole world and its gradients averaged across ranks that hold different experts. That trains
+    silently wrong, so it is refused, on every rank alike (the ranks' models have the same structure)."""
     from deepspeed.moe.utils import is_moe_param
 
-    names = {id(m): n for n, m in model.named_modules()}
-    added = [f"{names.get(id(layer), '?')}.experts.{name}" for layer in layers
-             for name, p in layer.experts.named_parameters() if not is_moe_param(p)]
+    added = [name for name, p in parameters_in_loaded_experts(model) if not is_moe_param(p)]
     if added:
         raise ConfigError(
             f"{len(added)} parameters were added inside the expert-parallel experts after the load ({added[0]}, ...; "

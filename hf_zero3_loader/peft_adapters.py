@@ -4,8 +4,8 @@ Under ZeRO-3 a PEFT model's own `save_pretrained` writes each partitioned adapte
 (PEFT warns, and the adapter is lost). `Trainer.save_model` of a PEFT model takes DeepSpeed's
 `_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)` instead, which gathers every parameter of the
 model, one module at a time (the whole frozen base through collectives, to keep a few MB of adapter), keeps only
-trainable ones (a second, inactive adapter is saved empty), and refuses any model with AutoEP layers (so a LoRA run
-under expert parallelism trains, then fails at its save).
+trainable ones (so PEFT writes a second, inactive adapter with the active one's tensors), and refuses any model with
+AutoEP layers (so a LoRA run under expert parallelism trains, then fails at its save).
 
 Here PEFT's own selection (`get_peft_model_state_dict`, run on the model's unmaterialised tensors) says which
 parameters an adapter save writes; only those are gathered, and PEFT writes its files from them as usual.
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from . import _deepspeed_private as ds_private
 from .errors import ConfigError
+from .expert_parallel import parameters_in_loaded_experts
 
 
 def partitioned_peft_model(model: torch.nn.Module):
@@ -62,10 +62,8 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
         error = None
         try:
             names = set(adapter_names(model, adapters, save_embedding_layers))
-            # inside a loader-built AutoEP layer's experts: LoRA on them, or PEFT's whole copy of the layer (whose
-            # copied tensors no longer say they are experts')
-            in_experts = {id(p) for m in model.modules() if getattr(m, ds_private.BUILT_BY_LOADER, False)
-                          for p in m.experts.parameters()}
+            # LoRA on the loader's experts, or PEFT's whole copy of such a layer; or experts of DeepSpeed's own layers
+            in_experts = {id(p) for _, p in parameters_in_loaded_experts(model)}
             experts = [name for name, p in model.named_parameters(remove_duplicate=False)
                        if name in names and (is_moe_param(p) or id(p) in in_experts)]
             if experts:

@@ -69,12 +69,12 @@ def test_trl_dpo_trainer_loads_its_reference_model_too_and_trains_the_same_with_
 @pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
 def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter_gathering_only_it(workdir, mode):
     """LoRA fine-tuning as TRL users write it (`SFTTrainer(model=path, peft_config=LoraConfig(...))`, the output head
-    trained whole beside the adapter, then `trainer.save_model`), under ZeRO-3 and under ZeRO-3 with expert parallelism. The losses are the plain path's bit
-    for bit (engine-side AutoEP under EP: its config names the MoE layers as PEFT's wrapper does, and the same file
-    loads with the loader). The Trainer saves the adapter from DeepSpeed's consolidated state dict, which gathers the
-    whole model (ZeRO-3) or is refused for AutoEP layers (EP: the run fails at its save); with the import only the
-    trainable parameters are gathered, and the files are the plain path's, byte for byte (ZeRO-3) or the adapter as
-    trained (EP)."""
+    trained whole beside the adapter, then `trainer.save_model`), under ZeRO-3 and under ZeRO-3 with expert
+    parallelism. The losses are the plain path's bit for bit (engine-side AutoEP under EP: its config names the MoE
+    layers as PEFT's wrapper does, and the same file loads with the loader). The Trainer saves the adapter from
+    DeepSpeed's consolidated state dict, which gathers the whole model (ZeRO-3) or is refused for AutoEP layers (EP:
+    the run fails at its save); with the import only the adapter's tensors are gathered, and the files are the plain
+    path's, byte for byte (ZeRO-3) or the adapter as trained (EP)."""
     from safetensors.torch import load_file
 
     path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_lora_qwen3_moe"), "qwen3_moe",
@@ -106,7 +106,8 @@ def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter
     assert ours["save_error"] is None and set(ours["save_collective_bytes"]) == {"deepspeed.all_gather_function"}
     assert ours["save_collective_bytes"]["deepspeed.all_gather_function"] <= 2 * adapter_bytes
     saved = load_file(os.path.join(ours["saved"], "adapter_model.safetensors"))
-    as_saved = {n.replace(".modules_to_save.default.", ".").replace(".default.", "."): t for n, t in ours["adapter"].items()}
+    as_saved = {n.replace(".modules_to_save.default.", ".").replace(".default.", "."): t
+                for n, t in ours["adapter"].items()}
     assert saved.keys() == as_saved.keys() and all(torch.equal(saved[n], t) for n, t in as_saved.items())
     if mode == "expert parallel":
         assert upstream["save_error"].startswith("NotImplementedError") and "AutoEP" in upstream["save_error"]
@@ -117,7 +118,8 @@ def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter
     for name in names:
         mine, theirs = (Path(run["saved"], name).read_bytes() for run in (ours, upstream))
         if name == "adapter_config.json":  # PEFT writes target_modules from a set: in the process's hash order
-            mine, theirs = ({**c, "target_modules": sorted(c["target_modules"])} for c in map(json.loads, (mine, theirs)))
+            mine, theirs = ({**c, "target_modules": sorted(c["target_modules"])}
+                            for c in map(json.loads, (mine, theirs)))
         if name != "training_args.bin":  # pickled arguments: same fields, not the same bytes
             assert mine == theirs, f"{name} differs"
 

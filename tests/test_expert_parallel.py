@@ -351,6 +351,7 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     variants = {"ours": ep_ds_config(2), "ours, the PEFT-named pattern": peft_named, "engine-side AutoEP": peft_named}
     cases = [{"name": f"lora, {variant}", "path": path, "dtype": "bfloat16", "ds_config": ds,
               "upstream": variant == "engine-side AutoEP", "lora": lora, "train_steps": 3, "generate": True,
+              "all_ranks_state": variant != "engine-side AutoEP",
               "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, f"ep_lora_{i}.pt")}
              for i, (variant, ds) in enumerate(variants.items())]
     # adapters over the experts themselves: LoRA on them (PEFT's target_parameters), or the MoE blocks trained whole
@@ -374,8 +375,20 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
         # then generation, each rank to its own length (ZeRO-3 keeps the ranks' forwards, and EP's all-to-alls, in step)
         assert [r["generated"] for r in dump["ranks"]] == [r["generated"] for r in dumps_[-1]["ranks"]], case["name"]
     assert len(dumps_[0]["ranks"][1]["generated"][0]) > len(dumps_[0]["ranks"][0]["generated"][0])
+    # the PEFT-named pattern loads the layout the usual config loads: every tensor, on both ranks, is AutoEP's layout
+    # of the plain single-process load, bit for bit and dtype for dtype (27-wide hidden: partitions do not divide)
+    plain = plain_load(path, "bfloat16")
     for dump in dumps_[:2]:
-        assert all(r["report"]["expert_parallel"]["ep_size"] == 2 for r in dump["ranks"])
+        covered = set()
+        for r in dump["ranks"]:
+            assert r["report"]["expert_parallel"]["ep_size"] == 2
+            for name, actual in r["state"].items():
+                if name.endswith(".tokens_per_expert"):
+                    continue
+                source, want = expected(name, plain, r["rank"] % 2, 2)
+                covered.add(source)
+                assert actual.dtype == want.dtype and torch.equal(actual, want), f"{name} rank {r['rank']}"
+        assert covered == set(plain), sorted(set(plain) - covered)
     # the adapter the Trainer saves (with the import): the LoRA weights; not experts, which each rank holds its own of
     rank0, rank1 = dumps_[0]["ranks"]
     assert len(rank0["adapter_state"]) == 8 and all(".lora_" in n for n in rank0["adapter_state"])
