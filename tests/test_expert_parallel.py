@@ -298,6 +298,22 @@ def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdi
                 assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name} rank {r['rank']}"
 
 
+def assert_autoep_layout_of(plain: dict, dump: dict, what: str, ep_size: int = 2) -> None:
+    """Every tensor each rank gathered (`all_ranks_state`, EP over the world) is AutoEP's layout of the plain load,
+    bit for bit and dtype for dtype, and together they cover every plain tensor."""
+    covered = set()
+    for r in dump["ranks"]:
+        assert "error" not in r, f"{what}: {r.get('error', {}).get('traceback')}"
+        assert r["report"]["expert_parallel"]["ep_size"] == ep_size, what
+        for name, actual in r["state"].items():
+            if name.endswith(".tokens_per_expert"):
+                continue
+            source, want = expected(name, plain, r["rank"] % ep_size, ep_size)
+            covered.add(source)
+            assert actual.dtype == want.dtype and torch.equal(actual, want), f"{what} {name} rank {r['rank']}"
+    assert covered == set(plain), f"{what}: not loaded: {sorted(set(plain) - covered)}"
+
+
 def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seeded_plain_loads(workdir):
     """Where MoE fine-tuning starts from a causal LM's checkpoint: a reward model (a new `score` head, drawn as the
     seeded plain load draws it, the old `lm_head` unexpected; 3 training steps give engine-side AutoEP's losses) and
@@ -319,18 +335,7 @@ def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seede
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
     assert len(ours["rank0"]["losses"]) == 3 and ours["rank0"]["losses"] == engine_side["rank0"]["losses"]
     for case, dump in zip(cases[:2], dumps_):
-        plain = plain_load(path, "bfloat16", case["model_class"], seed=11)
-        covered = set()
-        for r in dump["ranks"]:
-            assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
-            assert r["report"]["expert_parallel"]["ep_size"] == 2, case["name"]
-            for name, actual in r["state"].items():
-                if name.endswith(".tokens_per_expert"):
-                    continue
-                source, want = expected(name, plain, r["rank"] % 2, 2)
-                covered.add(source)
-                assert actual.dtype == want.dtype and torch.equal(actual, want), f"{case['name']} {name} rank {r['rank']}"
-        assert covered == set(plain), f"{case['name']}: not loaded: {sorted(set(plain) - covered)}"
+        assert_autoep_layout_of(plain_load(path, "bfloat16", case["model_class"], seed=11), dump, case["name"])
     assert "score.weight" in plain_load(path, "bfloat16", "AutoModelForSequenceClassification", seed=11)
     errors = [r.get("error") for r in dumps_[2]["ranks"]]
     assert all(errors) and len({e["message"].split("] ", 1)[1] for e in errors}) == 1, errors
@@ -377,18 +382,8 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     assert len(dumps_[0]["ranks"][1]["generated"][0]) > len(dumps_[0]["ranks"][0]["generated"][0])
     # the PEFT-named pattern loads the layout the usual config loads: every tensor, on both ranks, is AutoEP's layout
     # of the plain single-process load, bit for bit and dtype for dtype (27-wide hidden: partitions do not divide)
-    plain = plain_load(path, "bfloat16")
-    for dump in dumps_[:2]:
-        covered = set()
-        for r in dump["ranks"]:
-            assert r["report"]["expert_parallel"]["ep_size"] == 2
-            for name, actual in r["state"].items():
-                if name.endswith(".tokens_per_expert"):
-                    continue
-                source, want = expected(name, plain, r["rank"] % 2, 2)
-                covered.add(source)
-                assert actual.dtype == want.dtype and torch.equal(actual, want), f"{name} rank {r['rank']}"
-        assert covered == set(plain), sorted(set(plain) - covered)
+    for case, dump in zip(cases[:2], dumps_):
+        assert_autoep_layout_of(plain_load(path, "bfloat16"), dump, case["name"])
     # the adapter the Trainer saves (with the import): the LoRA weights; not experts, which each rank holds its own of
     rank0, rank1 = dumps_[0]["ranks"]
     assert len(rank0["adapter_state"]) == 8 and all(".lora_" in n for n in rank0["adapter_state"])
