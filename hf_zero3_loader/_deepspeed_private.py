@@ -39,7 +39,9 @@ Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_e
   `AutoEPMoELayer`s; under a meta device nothing is allocated or gathered;
 - `DeepSpeedEngine._configure_expert_parallel` is wrapped so that a model whose MoE blocks we already replaced is not
   parsed again (the parser finds no transformers MoE block in it and raises): the engine still builds its groups
-  and folding spec, and re-tags optimizer flags as it does after its own replacement.
+  and folding spec, and re-tags optimizer flags as it does after its own replacement; it also makes the random
+  draws the replacement makes (each router gate's `nn.Linear` init), so the global RNG leaves `initialize` as it does
+  under engine-side AutoEP.
 - AutoEP's presets call `_CAN_RECORD_REGISTRY.get(key, default)`; transformers 5.23's registry `get` takes one
   argument. `allow_registry_get_default` widens it to accept the dict signature for string keys.
 """
@@ -446,6 +448,7 @@ def let_engine_accept_replaced_layers(check=None) -> None:
                 "load and initialize with the same size")
         with _no_moe_layers_to_parse():
             result = original(self, model, collect_sources)
+        _advance_rng_as_autoep_replacement(ours)
         if config is not None and config.enabled:
             from deepspeed import set_optimizer_flags
 
@@ -454,6 +457,16 @@ def let_engine_accept_replaced_layers(check=None) -> None:
 
     DeepSpeedEngine._configure_expert_parallel = configure_expert_parallel
     _engine_wrapped = True
+
+
+def _advance_rng_as_autoep_replacement(layers: list) -> None:
+    """Engine-side AutoEP builds each layer's router gate as a fresh `nn.Linear` (`TokenChoiceTopKRouter`), whose
+    default init draws from the global RNG before the checkpoint's gate is copied over it. The loader built its layers
+    on meta, drawing nothing: the same draws here, the values discarded, leave the RNG where engine-side AutoEP leaves
+    it, so what a run samples after `deepspeed.initialize` (GRPO's generations, dropout) is the same with the import."""
+    for layer in layers:
+        gate = layer.router.gate
+        torch.nn.Linear(gate.in_features, gate.out_features, bias=gate.bias is not None)
 
 
 @contextmanager

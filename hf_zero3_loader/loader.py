@@ -45,11 +45,16 @@ DIFFERENT_CALLS = "were not called with the same arguments and DeepSpeed config"
 
 def _ensure_distributed() -> None:
     """Start the process group DeepSpeed's way. Called from plain `python` with no launcher (none of torchrun's
-    variables set), load as a single process (world size 1) instead of failing in DeepSpeed's MPI discovery."""
+    variables set), load as a single process (world size 1) instead of failing in DeepSpeed's MPI discovery. A
+    process group the script started itself (`torch.distributed.init_process_group`) is adopted by DeepSpeed's comm
+    layer, as `deepspeed.initialize` would: its group helpers (expert parallelism's groups) assert on it."""
     import deepspeed
+    import deepspeed.comm
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if not deepspeed.comm.is_initialized():
+            deepspeed.init_distributed()  # wraps the existing group: nothing is started again
         return
     if not any(v in os.environ for v in LAUNCHER_VARIABLES) and not any(
             v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")):

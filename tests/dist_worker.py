@@ -12,6 +12,7 @@ parallelism each rank gathers its own experts).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -66,14 +67,21 @@ def sharing(model) -> list[list[str]]:
     return sorted(sorted(group) for group in names.values() if len(group) > 1)
 
 
+def rng_digest() -> str:
+    """Where the global RNG stands, for what a run draws next (sampling, dropout)."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+
 def initialize(model, ds_config: dict, result: dict):
     """deepspeed.initialize, counting the collectives it issues (into `result["init_collectives"]`)."""
     import deepspeed
 
+    result["rng_before_initialize"] = rng_digest()
     with CollectiveCounter() as counter:
         engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
     result["init_collectives"] = {"calls": counter.calls, "bytes": counter.bytes, "largest": counter.largest}
+    result["rng_after_initialize"] = rng_digest()
     engine.train()
     return engine
 
@@ -500,7 +508,11 @@ def main() -> None:
     import deepspeed
 
     # gloo on CPU; tests/test_gpu.py sets nccl on an accelerator
-    deepspeed.init_distributed(dist_backend=os.environ.get("HF_ZERO3_TEST_BACKEND", "gloo"))
+    backend = os.environ.get("HF_ZERO3_TEST_BACKEND", "gloo")
+    if os.environ.get("HF_ZERO3_TEST_TORCH_PROCESS_GROUP"):  # a script that starts its own group, not DeepSpeed's
+        dist.init_process_group(backend)
+    else:
+        deepspeed.init_distributed(dist_backend=backend)
     with open(sys.argv[1]) as f:
         cases = json.load(f)
     for case in cases:

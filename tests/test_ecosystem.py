@@ -3,7 +3,8 @@ a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.aut
 SFT run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same
 under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE blocks whose experts get no
 tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
-does."""
+does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 and ZeRO-3 + EP.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +67,58 @@ def test_trl_dpo_trainer_loads_its_reference_model_too_and_trains_the_same_with_
     assert ours["logged"] == upstream["logged"]
 
 
+def _ep_moe_with_tokenizer(workdir: str) -> str:
+    """A Qwen3-MoE whose expert count divides by 2 (for EP), with a word tokenizer: what TRL loads from a path."""
+    return add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_ep_qwen3_moe"), "qwen3_moe",
+                                              config=ep_config("qwen3_moe")), 101)
+
+
+def _ds_config_file(workdir: str, name: str, expert_parallel: bool, **ep_fields) -> str:
+    """An accelerate user's DeepSpeed config file (ZeRO-3, the Trainer fills in the "auto"s), with an
+    `expert_parallel` section (EP size 2) when asked."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    if expert_parallel:
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "use_grouped_mm": False, **ep_fields}
+    config = os.path.join(workdir, f"ds_{name}.json")
+    with open(config, "w") as f:
+        json.dump(ds, f)
+    return config
+
+
+@pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
+def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, mode):
+    """Reinforcement learning on a MoE (`GRPOTrainer(model=path, reward_funcs=...)`, its reference model loaded a
+    second time at `beta` 0.1): completions sampled under ZeRO-3 with the parameters gathered for generation (each
+    rank its own prompts, ranks kept in step by transformers' `synced_gpus`), then scored and trained on. Every logged
+    number (losses, rewards, completion lengths, KL to the reference, entropy) equals the plain path's, under ZeRO-3
+    and under ZeRO-3 + EP against engine-side AutoEP. Sampling draws from the global RNG after `deepspeed.initialize`:
+    engine-side AutoEP draws there for each router it builds, which the loader's layers, built at the load, had not;
+    the loader makes the same draws (before that, the EP run sampled other completions from the first step)."""
+    tag = mode.replace(" ", "_")
+    config = _ds_config_file(workdir, f"trl_grpo_{tag}", mode == "expert parallel")
+    path = _ep_moe_with_tokenizer(workdir)
+    runs = {}
+    for variant in ("with-loader", "without"):
+        out = os.path.join(workdir, f"trl_grpo_{tag}_{variant}.json")
+        accelerate_launch(config, "trl_grpo_script.py", path, out, variant)
+        with open(out) as f:
+            runs[variant] = json.load(f)
+    ours, upstream = runs["with-loader"], runs["without"]
+    context = "ep-meta" if mode == "expert parallel" else "zero3-meta"
+    assert ours["init_contexts"] == [context, context] and upstream["init_contexts"] == [None, None]
+    assert ours["ref_model"] == upstream["ref_model"] == "DeepSpeedEngine"
+    layers = ["AutoEPMoELayer"] if mode == "expert parallel" else ["Qwen3MoeSparseMoeBlock"]
+    assert ours["moe_layers"] == upstream["moe_layers"] == layers
+    assert len(ours["logged"]) == 3 and any(step["kl"] != 0.0 for step in ours["logged"])
+    if mode == "expert parallel":
+        # engine-side AutoEP gives its new routers an optimizer group of their own (remapped from their sources):
+        # the same hyperparameters and updates, the norm summed in another order (its last bit may differ)
+        for mine, theirs in zip(ours["logged"], upstream["logged"]):
+            assert mine.pop("grad_norm") == pytest.approx(theirs.pop("grad_norm"), rel=1e-12)
+    assert ours["logged"] == upstream["logged"]
+
+
 @pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
 def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter_gathering_only_it(workdir, mode):
     """LoRA fine-tuning as TRL users write it (`SFTTrainer(model=path, peft_config=LoraConfig(...))`, the output head
@@ -77,17 +130,10 @@ def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter
     path's, byte for byte (ZeRO-3) or the adapter as trained (EP)."""
     from safetensors.torch import load_file
 
-    path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_lora_qwen3_moe"), "qwen3_moe",
-                                              config=ep_config("qwen3_moe")), 101)
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
-    if mode == "expert parallel":
-        ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "use_grouped_mm": False,
-                                 "moe_layer_pattern": r"base_model\.model\.model\.layers\.\d+\.mlp"}
+    path = _ep_moe_with_tokenizer(workdir)
     tag = mode.replace(" ", "_")
-    config = os.path.join(workdir, f"ds_trl_lora_{tag}.json")
-    with open(config, "w") as f:
-        json.dump(ds, f)
+    config = _ds_config_file(workdir, f"trl_lora_{tag}", mode == "expert parallel",
+                             moe_layer_pattern=r"base_model\.model\.model\.layers\.\d+\.mlp")
     runs = {}
     for variant in ("with-loader", "without"):
         out = os.path.join(workdir, f"trl_lora_{tag}_{variant}.pt")
