@@ -448,7 +448,7 @@ def let_engine_accept_replaced_layers(check=None) -> None:
                 "load and initialize with the same size")
         with _no_moe_layers_to_parse():
             result = original(self, model, collect_sources)
-        _advance_rng_as_autoep_replacement(ours)
+        _advance_rng_as_autoep_replacement(ours)  # also when EP was asked of the load only (`ep_size=`): one run
         if config is not None and config.enabled:
             from deepspeed import set_optimizer_flags
 

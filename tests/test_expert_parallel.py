@@ -251,12 +251,14 @@ def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, 
         assert sum(mine["bytes"].values()) < sum(theirs["bytes"].values()), (mine, theirs)
 
 
-def test_every_way_of_asking_gives_the_same_load(workdir):
-    """The config's `expert_parallel` section, `ep_size=`, transformers' `DistributedConfig`: one load. The job's
-    script starts its own process group (`torch.distributed.init_process_group`, not DeepSpeed's): the loader hands
-    it to DeepSpeed's comm layer, whose expert-parallel group helpers assert on it (they once failed there)."""
+def test_every_way_of_asking_gives_the_same_load_and_run(workdir):
+    """The config's `expert_parallel` section, `ep_size=`, transformers' `DistributedConfig`: one load, and the same
+    2 training steps after `deepspeed.initialize` with the config given to the load (which holds no enabled section
+    when EP was asked another way), the global RNG left in the same place. The job's script starts its own process
+    group (`torch.distributed.init_process_group`, not DeepSpeed's): the loader hands it to DeepSpeed's comm layer,
+    whose expert-parallel group helpers assert on it (they once failed there)."""
     path = checkpoint(workdir, "qwen3_moe")
-    base = ds_config_for("bfloat16")
+    base = ds_config_for("bfloat16", {"expert_parallel": {"use_grouped_mm": False}})  # CPU ranks: the kernel only
     ways = {
         "ds_config": {"ds_config": ep_ds_config(2)},
         "ep_size": {"ds_config": base, "kwargs": {"ep_size": 2}},
@@ -264,8 +266,10 @@ def test_every_way_of_asking_gives_the_same_load(workdir):
         "distributed_config enable_expert_parallel": {
             "ds_config": base, "kwargs": {"distributed_config": {"enable_expert_parallel": True}}},
     }
-    cases = [{"name": name, "path": path, "dtype": "bfloat16", "all_ranks_state": True,
-              "out": os.path.join(workdir, f"ep_way_{i}.pt"), **way} for i, (name, way) in enumerate(ways.items())]
+    cases = [{"name": name, "path": path, "dtype": "bfloat16", "all_ranks_state": True, "train_steps": 2, "seed": 5,
+              "out": os.path.join(workdir, f"ep_way_{i}.pt"), **way,
+              "kwargs": {**way.get("kwargs", {}), "experts_implementation": "eager"}}
+             for i, (name, way) in enumerate(ways.items())]
     dumps_ = run_torchrun(2, cases, workdir, env={"HF_ZERO3_TEST_TORCH_PROCESS_GROUP": "1"})
     first = dumps_[0]["ranks"]
     for case, dump in zip(cases, dumps_):
@@ -274,6 +278,8 @@ def test_every_way_of_asking_gives_the_same_load(workdir):
             assert r["report"]["expert_parallel"]["ep_size"] == 2, case["name"]
             assert set(r["state"]) == set(ref["state"]), case["name"]
             assert all(torch.equal(r["state"][n], ref["state"][n]) for n in ref["state"]), case["name"]
+            assert len(r["losses"]) == 2 and r["losses"] == ref["losses"], case["name"]
+            assert r["rng_after_initialize"] == ref["rng_after_initialize"], case["name"]
 
 
 def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdir):
