@@ -415,7 +415,9 @@ def _no_moe_layers_to_parse():
 _engine_wrapped = False
 
 
-_engine_checks: list = []  # called with a model holding loader-built layers, before the engine configures EP
+# called with a model holding loader-built layers and the engine's parsed `expert_parallel` section (or None), before
+# the engine configures EP
+_engine_checks: list = []
 
 
 def let_engine_accept_replaced_layers(check=None) -> None:
@@ -436,16 +438,9 @@ def let_engine_accept_replaced_layers(check=None) -> None:
         if not ours:
             allow_registry_get_default()  # engine-side AutoEP on a transformers 5.23 model needs it too
             return original(self, model, collect_sources)
-        for check_model in _engine_checks:
-            check_model(model)
         config = self._config.expert_parallel_config
-        if config is not None and config.enabled and config.autoep_size != ours[0].ep_size:
-            from .errors import ConfigError
-
-            raise ConfigError(
-                f"the model was loaded with expert parallelism of size {ours[0].ep_size}, but the DeepSpeed config "
-                f"passed to deepspeed.initialize asks for expert_parallel.autoep_size={config.autoep_size}; "
-                "load and initialize with the same size")
+        for check in _engine_checks:
+            check(model, config)
         with _no_moe_layers_to_parse():
             result = original(self, model, collect_sources)
         _advance_rng_as_autoep_replacement(ours)  # also when EP was asked of the load only (`ep_size=`): one run

@@ -150,6 +150,56 @@ def parameters_in_loaded_experts(model: torch.nn.Module) -> list[tuple[str, torc
             for p_name, p in layer.experts.named_parameters()]
 
 
+# the `expert_parallel` section a loader-built layer was built with (a dict: PEFT's copies of a layer copy it equal)
+BUILT_WITH = "_hf_zero3_loader_autoep_section"
+
+# AutoEP settings that pick kernels or transport, not what a layer computes; the others decide the math
+KERNEL_SETTINGS = frozenset({"use_grouped_mm", "disable_triton_grouped_mm", "combine_impl", "row_weighting_impl",
+                             "gate_up_impl", "comm_backend", "comm_num_sm", "comm_qp_margin",
+                             "comm_max_tokens_per_rank", "async_split_plan", "validate_folding_routing"})
+# checked on their own (the size), or applied to the unwrapped model's names (`_section_for_unwrapped_model`)
+NOT_COMPARED = frozenset({"enabled", "autoep_size", "moe_layer_pattern", "_load_balance_coeff_explicit"})
+
+
+def check_at_initialize(model: torch.nn.Module, engine_config) -> None:
+    """`deepspeed.initialize` of a model holding loader-built AutoEP layers, before the engine configures EP
+    (`engine_config`: the `expert_parallel` section it was given, parsed)."""
+    refuse_an_initialize_section_that_differs(model, engine_config)
+    refuse_parameters_added_to_experts(model)
+
+
+def refuse_an_initialize_section_that_differs(model: torch.nn.Module, engine_config) -> None:
+    """The engine keeps the layers the loader built with the load's `expert_parallel` section. A section given to
+    `deepspeed.initialize` that asks for another size, or other routing or expert math (`route_scale`, `score_func`,
+    `top_k`, `load_balance_coeff`, ...), would train the load's layers while the config says otherwise: refused, on
+    every rank alike. Kernel and transport settings only warn: the layers keep the load's. EP asked of the load only
+    (`ep_size=`, `DistributedConfig`) leaves the engine's section disabled: nothing to compare."""
+    import dataclasses
+
+    if engine_config is None or not engine_config.enabled:
+        return
+    layer = next(m for m in model.modules() if getattr(m, BUILT_WITH, None) is not None)
+    if engine_config.autoep_size != layer.ep_size:
+        raise ConfigError(
+            f"the model was loaded with expert parallelism of size {layer.ep_size}, but the DeepSpeed config "
+            f"passed to deepspeed.initialize asks for expert_parallel.autoep_size={engine_config.autoep_size}; "
+            "load and initialize with the same size")
+    loaded = ds_private.parse_autoep_section(getattr(layer, BUILT_WITH))  # parsed anew: AutoEP's detection fills
+    # in the config object it is given from the model
+    differ = {f.name: (getattr(loaded, f.name), getattr(engine_config, f.name)) for f in dataclasses.fields(loaded)
+              if f.name not in NOT_COMPARED and getattr(loaded, f.name) != getattr(engine_config, f.name)}
+    said = ", ".join(f"{k} ({a!r} at the load, {b!r} now)" for k, (a, b) in differ.items())
+    if set(differ) - KERNEL_SETTINGS:
+        raise ConfigError(
+            f"the expert_parallel section passed to deepspeed.initialize differs from the one the model was loaded "
+            f"with: {said}. The loader built the MoE layers at the load, with the load's settings, and the engine "
+            "keeps them: they would train in place of what this config asks for. Load and initialize with the same "
+            "expert_parallel section")
+    if differ:
+        log.warning_once("ep-kernel-settings", "the expert_parallel section passed to deepspeed.initialize differs "
+                         "from the load's in kernel settings only: %s; the MoE layers keep the load's", said)
+
+
 def refuse_parameters_added_to_experts(model: torch.nn.Module) -> None:
     """At `deepspeed.initialize`. A parameter added inside a loader-built AutoEP layer's experts after the load (PEFT's
     LoRA on `experts.w1` through `target_parameters`, or PEFT's copy of the whole layer, whose tensors lose
@@ -269,13 +319,14 @@ class ExpertParallelLayout:
             if not isinstance(layer, layer_class):
                 raise LoaderError(f"internal error: AutoEP did not replace {name}")
             setattr(layer, ds_private.BUILT_BY_LOADER, True)
+            setattr(layer, BUILT_WITH, section)
             layout.expert_params.update(f"{name}.experts.{p}" for p, _ in layer.experts.named_parameters())
             layout.new_buffers.extend((layer, b) for b, _ in layer.named_buffers(recurse=False))
         for name, tensor in model.state_dict(keep_vars=True).items():
             if name not in boxes and names_before.get(id(tensor), name) != name:  # a module kept under a new name
                 layout.renames[name] = SourceBox(names_before[id(tensor)])
         layout.sources = layout.sources_for(groups.ep_rank)
-        ds_private.let_engine_accept_replaced_layers(check=refuse_parameters_added_to_experts)
+        ds_private.let_engine_accept_replaced_layers(check=check_at_initialize)
         return layout
 
     def sources_for(self, ep_rank: int) -> dict[str, SourceBox]:

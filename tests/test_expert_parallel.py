@@ -282,6 +282,28 @@ def test_every_way_of_asking_gives_the_same_load_and_run(workdir):
             assert r["rng_after_initialize"] == ref["rng_after_initialize"], case["name"]
 
 
+def test_an_initialize_config_that_asks_for_other_expert_parallelism_is_refused_on_every_rank(workdir):
+    """The engine keeps the MoE layers the loader built with the load's `expert_parallel` section. A config given
+    to `deepspeed.initialize` that asks for another size or other routing math would train the load's layers while
+    saying otherwise: the same ConfigError on every rank. Kernel settings only warn (the layers keep the load's)."""
+    path = checkpoint(workdir, "qwen3_moe")
+    other = {"size": ep_ds_config(1), "routing": ds_config_for("bfloat16", {"expert_parallel": {
+        **EP_SECTION, "autoep_size": 2, "route_scale": 2.5}}), "kernels": ds_config_for("bfloat16", {
+            "expert_parallel": {**EP_SECTION, "autoep_size": 2, "comm_num_sm": 8}})}
+    cases = [{"name": name, "path": path, "dtype": "bfloat16", "ds_config": ep_ds_config(2), "train_steps": 1,
+              "initialize_ds_config": config, "expect_initialize_error": name != "kernels",
+              "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, f"ep_other_init_{name}.pt")}
+             for name, config in other.items()]
+    size, routing, kernels = run_torchrun(2, cases, workdir)
+    for dump, words in ((size, ["expert parallelism of size 2", "autoep_size=1"]),
+                        (routing, ["differs from the one the model was loaded with", "route_scale (1.0 at the load, 2.5 now)"])):
+        errors = [r["initialize_error"] for r in dump["ranks"]]
+        assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
+        assert all(w in errors[0]["message"] for w in words), errors[0]["message"]
+    assert len(kernels["rank0"]["losses"]) == 1
+    assert any("comm_num_sm (12 at the load, 8 now)" in w for w in kernels["rank0"]["warnings"]), kernels["rank0"]["warnings"]
+
+
 def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdir):
     """With a layer's attention, the final norm and lm_head missing, the AutoEP layers built on the skeleton do not
     change what the model's init draws: every rank's tensors equal AutoEP's layout of the seeded plain load."""
