@@ -161,6 +161,22 @@ KERNEL_SETTINGS = frozenset({"use_grouped_mm", "disable_triton_grouped_mm", "com
 NOT_COMPARED = frozenset({"enabled", "autoep_size", "moe_layer_pattern", "_load_balance_coeff_explicit"})
 
 
+def without_experts(model: torch.nn.Module, request: ExpertParallelRequest) -> bool:
+    """A model with no experts at all (no module named `...experts`: every transformers MoE type names them so)
+    loaded under a config whose `expert_parallel` section is enabled: a dense reward, reference or teacher model
+    beside a MoE run, which shares its config. Engine-side AutoEP finds no MoE layer in it and trains it as plain
+    ZeRO-3; so does this loader, with a warning. EP asked of this load itself (`ep_size=`, `DistributedConfig`)
+    is refused as for any model without a preset."""
+    if request.asked_via != "expert_parallel.autoep_size" or any(
+            name.rsplit(".", 1)[-1].endswith("experts") for name, _ in model.named_modules()):
+        return False
+    log.warning_once(f"no experts {type(model).__name__}",
+                     "expert_parallel is enabled in the DeepSpeed config, but this %s model (%s) has no experts: "
+                     "loaded without expert parallelism, as DeepSpeed's engine-side AutoEP trains it",
+                     getattr(model.config, "model_type", None), type(model).__name__)
+    return True
+
+
 def check_at_initialize(model: torch.nn.Module, engine_config) -> None:
     """`deepspeed.initialize` of a model holding loader-built AutoEP layers, before the engine configures EP
     (`engine_config`: the `expert_parallel` section it was given, parsed)."""
@@ -280,7 +296,11 @@ class ExpertParallelLayout:
 
     @classmethod
     def convert(cls, model: torch.nn.Module, request: ExpertParallelRequest, groups: ExpertParallelGroups):
+        """The layout, its AutoEP layers built in place on the meta skeleton; None for a model without experts
+        that only the DeepSpeed config's section asked EP of (see `without_experts`)."""
         model_type = getattr(model.config, "model_type", None)
+        if without_experts(model, request):
+            return None
         families = supported_model_types()
         if model_type not in families and not structure_named(request.autoep_section):
             note = ds_private.autoep_note_for(model_type)  # e.g. a vision-language model: its text backbone has one

@@ -148,7 +148,10 @@ class Zero3Load:
             if self.expert_parallel is not None:  # the MoE blocks become AutoEP layers, still on meta
                 request, groups = self.expert_parallel
                 layout = ExpertParallelLayout.convert(model, request, groups)
-                experts = partitioner.add_group(groups.edp_name, groups.edp_group)
+                if layout is None:  # no experts to place: plain ZeRO-3, as the engine will train it
+                    self.report.init_context, self.report.reason = "zero3-meta", f"{self.report.reason}; no experts"
+                else:
+                    experts = partitioner.add_group(groups.edp_name, groups.edp_group)
             if not load_config.ignore_mismatched_sizes:
                 self._refuse_incomplete_inputs(resolution)
 

@@ -304,6 +304,25 @@ def test_an_initialize_config_that_asks_for_other_expert_parallelism_is_refused_
     assert any("comm_num_sm (12 at the load, 8 now)" in w for w in kernels["rank0"]["warnings"]), kernels["rank0"]["warnings"]
 
 
+def test_a_dense_model_under_an_expert_parallel_config_loads_and_trains_as_engine_side_autoep_does(workdir):
+    """A dense model (a reward, reference or teacher model beside a MoE run) loaded under the run's config, whose
+    `expert_parallel` section is enabled: engine-side AutoEP finds no MoE layer in it and trains it as plain ZeRO-3.
+    So does the loader (it refused such a model), with a warning: equal to the plain load, and 2 training steps give
+    the plain path's losses. EP asked of the load itself (`ep_size=`) is still refused (`tests/test_errors.py`)."""
+    path = make_checkpoint(os.path.join(workdir, "ep_dense_llama"), "llama_untied")
+    cases = [{"name": v, "path": path, "dtype": "bfloat16", "ds_config": ep_ds_config(2), "train_steps": 2,
+              "seed": 1, "upstream": v == "engine-side AutoEP", "all_ranks_state": v == "ours",
+              "out": os.path.join(workdir, f"ep_dense_{v.split()[0]}.pt")} for v in ("ours", "engine-side AutoEP")]
+    ours, engine_side = run_torchrun(2, cases, workdir)
+    plain = plain_load(path, "bfloat16")
+    for r in ours["ranks"]:
+        assert "error" not in r, r["error"]["traceback"]
+        assert r["report"]["init_context"] == "zero3-meta" and "expert_parallel" not in r["report"]
+        assert set(r["state"]) == set(plain) and all(torch.equal(r["state"][n], t) for n, t in plain.items())
+    assert any("has no experts: loaded without expert parallelism" in w for w in ours["rank0"]["warnings"])
+    assert len(ours["rank0"]["losses"]) == 2 and ours["rank0"]["losses"] == engine_side["rank0"]["losses"]
+
+
 def test_missing_non_expert_keys_are_initialised_as_the_seeded_plain_load(workdir):
     """With a layer's attention, the final norm and lm_head missing, the AutoEP layers built on the skeleton do not
     change what the model's init draws: every rank's tensors equal AutoEP's layout of the seeded plain load."""
