@@ -3,7 +3,8 @@ a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.aut
 SFT run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same
 under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE blocks whose experts get no
 tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
-does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 and ZeRO-3 + EP.
+does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 and ZeRO-3 + EP; a
+Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -117,6 +118,24 @@ def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, 
         for mine, theirs in zip(ours["logged"], upstream["logged"]):
             assert mine.pop("grad_norm") == pytest.approx(theirs.pop("grad_norm"), rel=1e-12)
     assert ours["logged"] == upstream["logged"]
+
+
+def test_trainer_checkpoints_under_expert_parallelism_resume_to_the_uninterrupted_run(workdir):
+    """A long MoE fine-tune under ZeRO-3 + EP takes periodic Trainer checkpoints (`save_strategy="steps"`: DeepSpeed's
+    engine checkpoint, and the model, which the import writes without a gather) and is resumed from one: the resumed
+    run's losses are the uninterrupted run's, bit for bit (by hand: so are transformers + engine-side AutoEP's)."""
+    config = _ds_config_file(workdir, "trainer_resume_ep", True)
+    path = _ep_moe_with_tokenizer(workdir)
+    runs = {}
+    for mode in ("full", "first", "resume"):
+        out = os.path.join(workdir, f"trainer_resume_{mode}.json")
+        accelerate_launch(config, "trainer_resume_script.py", path, out, mode)
+        with open(out) as f:
+            runs[mode] = json.load(f)
+    assert len(runs["full"]["losses"]) == 4 and runs["first"]["losses"] == runs["full"]["losses"][:2]
+    assert runs["resume"]["losses"] == runs["full"]["losses"]
+    first = runs["first"]["checkpoints"]["checkpoint-2"]
+    assert {"model.safetensors", "latest", "global_step2", "trainer_state.json"} <= set(first), first
 
 
 @pytest.mark.parametrize("mode", ["zero3", "expert parallel"])

@@ -1,0 +1,46 @@
+"""A Trainer full fine-tune of a MoE under `accelerate launch --use_deepspeed` (ZeRO-3 with expert parallelism, the
+DeepSpeed config file's `expert_parallel` section) with periodic checkpoints (`save_strategy="steps"`): the whole run
+(`full`), the run stopped after its first checkpoint (`first`), and a new run resumed from that checkpoint
+(`resume`, `train(resume_from_checkpoint=...)`). argv: model out mode [without] (transformers + engine-side AutoEP)."""
+
+import json
+import os
+import sys
+
+if len(sys.argv) > 4 and sys.argv[4] == "without":  # DeepSpeed 0.19.8's engine-side AutoEP on transformers 5.23+
+    from hf_zero3_loader._deepspeed_private import allow_registry_get_default
+
+    allow_registry_get_default()
+else:
+    import hf_zero3_loader.auto  # noqa: F401  (the only line a user adds)
+
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,  # noqa: E402
+                          TrainerCallback, TrainingArguments)
+
+path, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+run_dir = os.path.join(os.path.dirname(out), "resume_run")  # `first` writes the checkpoint `resume` starts from
+args = TrainingArguments(output_dir=run_dir + "_" + mode, per_device_train_batch_size=1, max_steps=4,
+                         learning_rate=1e-3, logging_steps=1, save_strategy="steps", save_steps=2, report_to="none",
+                         ddp_backend="gloo", seed=3, dataloader_num_workers=0, disable_tqdm=True)
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+examples = [tokenizer(" ".join(f"w{(7 * i + 3 * j) % 98 + 3}" for j in range(12))) for i in range(16)]
+trainer = Trainer(model=model, args=args, train_dataset=examples,
+                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False))
+
+
+class StopAfterTheFirstCheckpoint(TrainerCallback):  # an interrupted run: same schedule, stopped at step 2
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == 2
+
+
+if mode == "first":
+    trainer.add_callback(StopAfterTheFirstCheckpoint())
+trainer.train(resume_from_checkpoint=run_dir + "_first/checkpoint-2" if mode == "resume" else None)
+if trainer.is_world_process_zero():
+    with open(out, "w") as f:
+        json.dump({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                   "checkpoints": {c: sorted(os.listdir(os.path.join(args.output_dir, c)))
+                                   for c in os.listdir(args.output_dir) if c.startswith("checkpoint-")}}, f)
+trainer.accelerator.wait_for_everyone()
+os._exit(0)
