@@ -14,13 +14,15 @@ by gathering each layer's fused experts on every rank. Here it is built on the m
    `experts.w2` = `down_proj[local experts]`, the router = transformers' gate. The planner then reads, for each
    rank, only its partition of those boxes: no fused expert tensor is ever whole anywhere.
 3. `deepspeed.initialize` with the user's unchanged config works: the engine keeps our groups and layers
-   (`_deepspeed_private.let_engine_accept_replaced_layers`).
+   (`_deepspeed_private.let_engine_accept_replaced_layers`); `check_at_initialize` first refuses what would then
+   train silently wrong (a section asking for other EP math than the load's, parameters added inside the experts).
+A model with no experts under an enabled section (a dense reward model beside a MoE run) loads as plain ZeRO-3.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -190,8 +192,6 @@ def refuse_an_initialize_section_that_differs(model: torch.nn.Module, engine_con
     `top_k`, `load_balance_coeff`, ...), would train the load's layers while the config says otherwise: refused, on
     every rank alike. Kernel and transport settings only warn: the layers keep the load's. EP asked of the load only
     (`ep_size=`, `DistributedConfig`) leaves the engine's section disabled: nothing to compare."""
-    import dataclasses
-
     if engine_config is None or not engine_config.enabled:
         return
     layer = next(m for m in model.modules() if getattr(m, BUILT_WITH, None) is not None)
@@ -202,7 +202,7 @@ def refuse_an_initialize_section_that_differs(model: torch.nn.Module, engine_con
             "load and initialize with the same size")
     loaded = ds_private.parse_autoep_section(getattr(layer, BUILT_WITH))  # parsed anew: AutoEP's detection fills
     # in the config object it is given from the model
-    differ = {f.name: (getattr(loaded, f.name), getattr(engine_config, f.name)) for f in dataclasses.fields(loaded)
+    differ = {f.name: (getattr(loaded, f.name), getattr(engine_config, f.name)) for f in fields(loaded)
               if f.name not in NOT_COMPARED and getattr(loaded, f.name) != getattr(engine_config, f.name)}
     said = ", ".join(f"{k} ({a!r} at the load, {b!r} now)" for k, (a, b) in differ.items())
     if set(differ) - KERNEL_SETTINGS:
