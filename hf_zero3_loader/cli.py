@@ -87,7 +87,8 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
                             "shrink its largest gather unless the config's expert_parallel section names one "
                             "(preset_model) or custom patterns")
     if ep_size and not layout:
-        warnings.append("ep_size given but no MoE layer was converted")
+        warnings.append("the config enables expert parallelism, but the model has no experts: planned as plain "
+                        "ZeRO-3, as it loads (and as engine-side AutoEP trains it)")
     return {
         "checkpoint": checkpoint, "model_type": model_type, "world_size": world_size, "ep_size": ep_size or 1,
         "device": device, "checkpoint_bytes": checkpoint_.nbytes, "parameters": prediction.total_params,

@@ -163,6 +163,23 @@ def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_au
     assert report["ok"] and report["ep_size"] == 2 and not report["problems"], report
 
 
+def test_plan_takes_a_dense_model_under_a_config_with_expert_parallelism_as_the_load_does(workdir):
+    """A MoE run's config (`expert_parallel` enabled) given for a dense model: the load loads it as plain ZeRO-3, and
+    so `plan` plans it, saying why; EP asked of the plan itself (`--ep-size`) is refused, as by a load."""
+    from hf_zero3_loader.cli import plan_report
+    from hf_zero3_loader.errors import ConfigError
+
+    path = make_checkpoint(os.path.join(workdir, "plan_dense_llama"), "llama_untied")
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+              "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    report = plan_report(path, 2, ds_config=config)
+    plain = plan_report(path, 2)
+    assert report["ranks"] == plain["ranks"] and report["train"] == plain["train"]
+    assert any("has no experts: planned as plain ZeRO-3" in w for w in report["warnings"]), report["warnings"]
+    with pytest.raises(ConfigError, match="'llama' has none"):
+        plan_report(path, 2, ep_size=2)
+
+
 def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_them(workdir):
     """A plain load leaves uninitialised memory in them: nothing to compare, so they are checked to be zeros instead
     of reported as mismatches."""

@@ -89,8 +89,12 @@ def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model
     if ep_size:
         from ..expert_parallel import ExpertParallelGroups, ExpertParallelLayout, request_from
 
-        section = {k: v for k, v in expert_parallel.items() if k not in ("enabled", "autoep_size")}
-        request = request_from({"expert_parallel": section}, ep_size, None, world_size)
+        if expert_parallel.get("enabled"):  # asked by the config, as a load sees it (a dense model then plans plain)
+            request = request_from({"expert_parallel": {**expert_parallel, "autoep_size": ep_size}}, None, None,
+                                   world_size)
+        else:
+            section = {k: v for k, v in expert_parallel.items() if k not in ("enabled", "autoep_size")}
+            request = request_from({"expert_parallel": section}, ep_size, None, world_size)
         layout = ExpertParallelLayout.convert(model, request, ExpertParallelGroups(ep_size, 0, None, EXPERTS))
     plans = []
     for rank in ranks if ranks is not None else range(world_size):
