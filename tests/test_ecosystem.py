@@ -3,7 +3,7 @@ a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.aut
 SFT run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same
 under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE blocks whose experts get no
 tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
-does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 and ZeRO-3 + EP; a
+does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 + EP; a
 Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses.
 """
 
@@ -87,7 +87,9 @@ def _ds_config_file(workdir: str, name: str, expert_parallel: bool, **ep_fields)
     return config
 
 
-@pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
+# ZeRO-3 without EP gives the plain path's numbers too (by hand; nothing there draws differently, see the SFT and DPO
+# tests): one case here keeps the suite's time down
+@pytest.mark.parametrize("mode", ["expert parallel"])
 def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, mode):
     """Reinforcement learning on a MoE (`GRPOTrainer(model=path, reward_funcs=...)`, its reference model loaded a
     second time at `beta` 0.1): completions sampled under ZeRO-3 with the parameters gathered for generation (each
