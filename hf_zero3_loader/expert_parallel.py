@@ -37,6 +37,7 @@ class ExpertParallelRequest:
     ep_size: int
     autoep_section: dict  # the `expert_parallel` section AutoEP is configured with
     asked_via: str
+    by_config_only: bool = False  # only the DeepSpeed config's section asked (what the engine reads too)
 
 
 def _ep_size_from_distributed_config(distributed_config, world_size: int) -> int | None:
@@ -78,12 +79,15 @@ def refuse_other_parallelism(distributed_config, tp_plan, tp_size, world_size: i
                           "alone, and give MoE models expert parallelism with ep_size=")
 
 
+CONFIG_ASK = "expert_parallel.autoep_size="
+
+
 def _asked(ds_config: dict, ep_size: int | None, distributed_config, world_size: int) -> list[tuple[str, object]]:
     """(how, size) for each way EP was asked for."""
     section = ds_config.get("expert_parallel") or {}
     asked: list[tuple[str, object]] = []
     if section.get("enabled"):
-        asked.append(("expert_parallel.autoep_size=", section.get("autoep_size", 1)))
+        asked.append((CONFIG_ASK, section.get("autoep_size", 1)))
     if ep_size is not None:
         asked.append(("ep_size=", ep_size))
     if distributed_config is not None:
@@ -110,7 +114,8 @@ def request_from(ds_config: dict, ep_size: int | None, distributed_config, world
         raise ConfigError("conflicting expert parallel sizes: " + ", ".join(f"{via}{size}" for via, size in asked))
     size = asked[0][1]
     section = {**(ds_config.get("expert_parallel") or {}), "enabled": True, "autoep_size": size}
-    return ExpertParallelRequest(size, section, ", ".join(via.rstrip("=") for via, _ in asked))
+    return ExpertParallelRequest(size, section, ", ".join(via.rstrip("=") for via, _ in asked),
+                                 by_config_only=[via for via, _ in asked] == [CONFIG_ASK])
 
 
 @dataclass
@@ -169,8 +174,8 @@ def without_experts(model: torch.nn.Module, request: ExpertParallelRequest) -> b
     beside a MoE run, which shares its config. Engine-side AutoEP finds no MoE layer in it and trains it as plain
     ZeRO-3; so does this loader, with a warning. EP asked of this load itself (`ep_size=`, `DistributedConfig`)
     is refused as for any model without a preset."""
-    if request.asked_via != "expert_parallel.autoep_size" or any(
-            name.rsplit(".", 1)[-1].endswith("experts") for name, _ in model.named_modules()):
+    if not request.by_config_only or any(name.rsplit(".", 1)[-1].endswith("experts")
+                                         for name, _ in model.named_modules()):
         return False
     log.warning_once(f"no experts {type(model).__name__}",
                      "expert_parallel is enabled in the DeepSpeed config, but this %s model (%s) has no experts: "

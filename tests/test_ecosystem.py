@@ -25,10 +25,7 @@ def _trl_runs(workdir: str, name: str, script: str, zero: dict) -> tuple[dict, d
     """`script` under `accelerate launch` (ZeRO-3, bf16) with and without the import: what each run wrote."""
     path = add_word_tokenizer(make_checkpoint(os.path.join(workdir, f"{name}_qwen3_moe"), "qwen3_moe",
                                               config=trainable_moe_config()), 101)
-    config = os.path.join(workdir, f"ds_{name}.json")
-    with open(config, "w") as f:  # what an accelerate user's file says: the Trainer fills in the "auto"s
-        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                   "zero_optimization": {"stage": 3, **zero}, "bf16": {"enabled": "auto"}}, f)
+    config = _ds_config_file(workdir, name, False, zero=zero)
     runs = {}
     for variant in ("with-loader", "without"):
         out = os.path.join(workdir, f"{name}_{variant}.json")
@@ -74,11 +71,11 @@ def _ep_moe_with_tokenizer(workdir: str) -> str:
                                               config=ep_config("qwen3_moe")), 101)
 
 
-def _ds_config_file(workdir: str, name: str, expert_parallel: bool, **ep_fields) -> str:
-    """An accelerate user's DeepSpeed config file (ZeRO-3, the Trainer fills in the "auto"s), with an
-    `expert_parallel` section (EP size 2) when asked."""
+def _ds_config_file(workdir: str, name: str, expert_parallel: bool, zero: dict | None = None, **ep_fields) -> str:
+    """An accelerate user's DeepSpeed config file (ZeRO-3 with `zero`'s options, the Trainer fills in the "auto"s),
+    with an `expert_parallel` section (EP size 2) when asked."""
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+          "zero_optimization": {"stage": 3, **(zero or {})}, "bf16": {"enabled": "auto"}}
     if expert_parallel:
         ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "use_grouped_mm": False, **ep_fields}
     config = os.path.join(workdir, f"ds_{name}.json")

@@ -296,12 +296,14 @@ def test_an_initialize_config_that_asks_for_other_expert_parallelism_is_refused_
              for name, config in other.items()]
     size, routing, kernels = run_torchrun(2, cases, workdir)
     for dump, words in ((size, ["expert parallelism of size 2", "autoep_size=1"]),
-                        (routing, ["differs from the one the model was loaded with", "route_scale (1.0 at the load, 2.5 now)"])):
+                        (routing, ["differs from the one the model was loaded with",
+                                   "route_scale (1.0 at the load, 2.5 now)"])):
         errors = [r["initialize_error"] for r in dump["ranks"]]
         assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
         assert all(w in errors[0]["message"] for w in words), errors[0]["message"]
     assert len(kernels["rank0"]["losses"]) == 1
-    assert any("comm_num_sm (12 at the load, 8 now)" in w for w in kernels["rank0"]["warnings"]), kernels["rank0"]["warnings"]
+    warned = kernels["rank0"]["warnings"]
+    assert any("comm_num_sm (12 at the load, 8 now)" in w for w in warned), warned
 
 
 def test_a_dense_model_under_an_expert_parallel_config_loads_and_trains_as_engine_side_autoep_does(workdir):

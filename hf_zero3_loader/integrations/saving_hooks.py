@@ -7,9 +7,9 @@ each partitioned parameter as an empty tensor (a dense model's checkpoint of `(0
 reverting MoE conversions ("chunk expects `chunks` to be greater than 0"). With `import hf_zero3_loader.auto` a
 partitioned `PreTrainedModel` is written by every rank from its own partitions instead; the files are the ones the
 gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT models given to accelerate's or
-transformers' save, plain `nn.Module`s, ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and accelerate's saves of a model whose
-partitions are swapped out to NVMe (they gather it; a model's own `save_pretrained` of one is refused, not written
-empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or PEFT's own `save_pretrained` called on every
+transformers' save, plain `nn.Module`s, ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and
+accelerate's saves of a model whose partitions are swapped out to NVMe (they gather it; a model's own
+`save_pretrained` of one is refused, not written empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or PEFT's own `save_pretrained` called on every
 rank) writes its adapter as PEFT does, from the adapter's tensors alone gathered (`peft_adapters.py`).
 """
 
