@@ -1,13 +1,15 @@
 """Fine-tune a MoE with the Trainer under DeepSpeed ZeRO-3 (and expert parallelism), loaded shard-on-read.
 
-    accelerate launch --config_file scripts/accelerate/zero3.yaml    scripts/finetune_moe.py [--model P] [--data F] [--lora]
-    accelerate launch --config_file scripts/accelerate/zero3_ep.yaml scripts/finetune_moe.py [--model P] [--data F] [--lora]
+    accelerate launch --config_file scripts/accelerate/zero3.yaml    scripts/finetune_moe.py [OPTIONS]
+    accelerate launch --config_file scripts/accelerate/zero3_ep.yaml scripts/finetune_moe.py [OPTIONS]
+    OPTIONS: [--model P] [--data F] [--lora] [--gradient-checkpointing]
 
 A normal Trainer script; the only line that differs from one without hf_zero3_loader is `import hf_zero3_loader.auto`.
 The DeepSpeed config files in scripts/accelerate/ say ZeRO-3 (and `expert_parallel`, autoep_size 2, for the EP one);
 `--model` is a local folder or a hub id in the cache (default: a small Qwen3-MoE generated under ./out/finetune);
 `--data` a text file, one training example per line (default: a few synthetic lines); `--lora` trains a LoRA adapter
-on the attention projections instead of the whole model. bf16 on a GPU, fp32 on CPU. At the end `trainer.save_model`
+on the attention projections instead of the whole model; `--gradient-checkpointing` trades compute for activation
+memory. bf16 on a GPU, fp32 on CPU. At the end `trainer.save_model`
 writes the model (or the adapter) to `--output-dir`, with no gather.
 """
 
@@ -42,6 +44,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--lora", action="store_true",
                     help="train a LoRA adapter on the attention projections (PEFT) instead of the whole model")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute activations in the backward pass (transformers' non-reentrant checkpointing)")
     args = ap.parse_args()
 
     path = args.model
@@ -51,6 +55,8 @@ def main() -> None:
             small_model(path)
     training = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=1, max_steps=args.max_steps,
                                  learning_rate=args.lr, logging_steps=1, save_strategy="no", report_to="none",
+                                 gradient_checkpointing=args.gradient_checkpointing,
+                                 gradient_checkpointing_kwargs={"use_reentrant": False},
                                  bf16=torch.cuda.is_available(), ddp_backend=None if torch.cuda.is_available() else "gloo")
     with training.main_process_first():  # rank 0 wrote the default model
         tokenizer = AutoTokenizer.from_pretrained(path)

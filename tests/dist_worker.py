@@ -50,9 +50,12 @@ def gather_state(model) -> dict:
     import deepspeed
 
     state = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        with deepspeed.zero.GatheredParameters([p]):
-            state[name] = p.detach().clone().cpu()
+    named = list(model.named_parameters(remove_duplicate=False))
+    for start in range(0, len(named), 256):  # many at once: their all-gathers are in flight together
+        chunk = named[start:start + 256]
+        with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
+            for name, p in chunk:
+                state[name] = p.detach().clone().cpu()
     for name, b in model.named_buffers(remove_duplicate=False):
         state[name] = b.detach().clone().cpu()
     return state
@@ -448,7 +451,9 @@ def save_case(case: dict, target, model, result: dict) -> None:
     result["save"] = report.summary() if report is not None else None
     result["save_collectives"] = {"calls": counter.calls, "bytes": counter.bytes}
     result["save_largest_allocation_bytes"] = largest.largest_bytes
-    result["trained_state"] = gather_state(model)
+    # what was loaded, unless the case changed it since (trained it, or wrapped it in an adapter)
+    changed = case.get("train_steps") or case.get("lora")
+    result["trained_state"] = gather_state(model) if changed or "state" not in result else result["state"]
     layout = model.hf_zero3_load_report.expert_parallel_layout
     if spec.get("reference") and layout is None and dist.get_rank() == 0:
         save_reference(model, result["trained_state"], spec["dir"] + ".reference", spec.get("kwargs", {}))

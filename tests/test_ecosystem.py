@@ -226,7 +226,9 @@ def test_every_moe_family_fuses_its_experts_into_one_module():
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir, lora):
     """scripts/finetune_moe.py as the README shows it, under the shipped ZeRO-3 + EP accelerate config, training the
-    whole model or a LoRA adapter, then saving it."""
+    whole model or a LoRA adapter (with gradient checkpointing, as LoRA runs often are), then saving it. (By hand,
+    with gradient checkpointing: a full fine-tune under EP logs engine-side AutoEP's losses, and full or LoRA under
+    ZeRO-3 the plain path's.)"""
     import subprocess
     import sys
 
@@ -237,7 +239,7 @@ def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir
     out = os.path.join(workdir, f"finetune_run_{'lora' if lora else 'full'}")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "scripts/accelerate/zero3_ep.yaml",
            "--main_process_port", str(free_port()), "scripts/finetune_moe.py", "--model", model,
-           "--output-dir", out, "--max-steps", "2", *(["--lora"] if lora else [])]
+           "--output-dir", out, "--max-steps", "2", *(["--lora", "--gradient-checkpointing"] if lora else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
