@@ -51,8 +51,10 @@ def gather_state(model) -> dict:
 
     state = {}
     named = list(model.named_parameters(remove_duplicate=False))
-    for start in range(0, len(named), 256):  # many at once: their all-gathers are in flight together
-        chunk = named[start:start + 256]
+    # many at once, their all-gathers in flight together; one by one from NVMe (its swap buffers are few)
+    batch = 1 if any(getattr(p, "nvme_swapper", None) is not None for _, p in named) else 256
+    for start in range(0, len(named), batch):
+        chunk = named[start:start + batch]
         with deepspeed.zero.GatheredParameters([p for _, p in chunk]):
             for name, p in chunk:
                 state[name] = p.detach().clone().cpu()
