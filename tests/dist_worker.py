@@ -454,8 +454,7 @@ def save_case(case: dict, target, model, result: dict) -> None:
     result["save_collectives"] = {"calls": counter.calls, "bytes": counter.bytes}
     result["save_largest_allocation_bytes"] = largest.largest_bytes
     # what was loaded, unless the case changed it since (trained it, or wrapped it in an adapter)
-    changed = case.get("train_steps") or case.get("lora")
-    result["trained_state"] = gather_state(model) if changed or "state" not in result else result["state"]
+    result["trained_state"] = gather_state(model) if case.get("train_steps") or case.get("lora") else result["state"]
     layout = model.hf_zero3_load_report.expert_parallel_layout
     if spec.get("reference") and layout is None and dist.get_rank() == 0:
         save_reference(model, result["trained_state"], spec["dir"] + ".reference", spec.get("kwargs", {}))

@@ -9,8 +9,9 @@ partitioned `PreTrainedModel` is written by every rank from its own partitions i
 gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT models given to accelerate's or
 transformers' save, plain `nn.Module`s, ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and
 accelerate's saves of a model whose partitions are swapped out to NVMe (they gather it; a model's own
-`save_pretrained` of one is refused, not written empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or PEFT's own `save_pretrained` called on every
-rank) writes its adapter as PEFT does, from the adapter's tensors alone gathered (`peft_adapters.py`).
+`save_pretrained` of one is refused, not written empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or
+PEFT's own `save_pretrained` called on every rank) writes its adapter as PEFT does, from the adapter's tensors alone
+gathered (`peft_adapters.py`).
 """
 
 from __future__ import annotations
