@@ -122,7 +122,9 @@ def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, 
 def test_trainer_checkpoints_under_expert_parallelism_resume_to_the_uninterrupted_run(workdir):
     """A long MoE fine-tune under ZeRO-3 + EP takes periodic Trainer checkpoints (`save_strategy="steps"`: DeepSpeed's
     engine checkpoint, and the model, which the import writes without a gather) and is resumed from one: the resumed
-    run's losses are the uninterrupted run's, bit for bit (by hand: so are transformers + engine-side AutoEP's)."""
+    run's losses are the uninterrupted run's, bit for bit (by hand: so are transformers + engine-side AutoEP's). The
+    uninterrupted run takes its model through `model_init=` (hyperparameter search's form), so a second EP model
+    loaded in the process while the first is alive trains the same too."""
     config = _ds_config_file(workdir, "trainer_resume_ep", True)
     path = _ep_moe_with_tokenizer(workdir)
     runs = {}
@@ -133,6 +135,7 @@ def test_trainer_checkpoints_under_expert_parallelism_resume_to_the_uninterrupte
             runs[mode] = json.load(f)
     assert len(runs["full"]["losses"]) == 4 and runs["first"]["losses"] == runs["full"]["losses"][:2]
     assert runs["resume"]["losses"] == runs["full"]["losses"]
+    assert runs["full"]["expert_parallel_loads"] == [True, True] and runs["resume"]["expert_parallel_loads"] == [True]
     first = runs["first"]["checkpoints"]["checkpoint-2"]
     assert {"model.safetensors", "latest", "global_step2", "trainer_state.json"} <= set(first), first
 
