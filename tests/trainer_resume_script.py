@@ -2,7 +2,8 @@
 DeepSpeed config file's `expert_parallel` section) with periodic checkpoints (`save_strategy="steps"`): the whole run
 (`full`), the run stopped after its first checkpoint (`first`), and a new run resumed from that checkpoint
 (`resume`, `train(resume_from_checkpoint=...)`); the whole run takes the model through `model_init=`, as
-hyperparameter search does (loaded twice: the Trainer's init loads one, `train` a fresh one). argv: model out mode [without] (transformers + engine-side AutoEP)."""
+hyperparameter search does (loaded twice: the Trainer's init loads one, `train` a fresh one).
+argv: model out mode [without] (transformers + engine-side AutoEP)."""
 
 import json
 import os
@@ -26,7 +27,7 @@ args = TrainingArguments(output_dir=run_dir + "_" + mode, per_device_train_batch
 tokenizer = AutoTokenizer.from_pretrained(path)
 examples = [tokenizer(" ".join(f"w{(7 * i + 3 * j) % 98 + 3}" for j in range(12))) for i in range(16)]
 collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
-expert_parallel_loads = []  # each load's expert-parallel layout, as its load report gives it
+expert_parallel_loads = []  # whether each load's report says it loaded with expert parallelism
 
 
 def load():
