@@ -185,36 +185,24 @@ def results(paths, workdir):
 @functools.lru_cache(maxsize=None)
 def plain(name: str, path: str):
     import transformers
+    from transformers import monkey_patching
 
     _, cls, dtype, kwargs, seed = CASES[name]
     torch.manual_seed(seed)
     kwargs = {k: v for k, v in kwargs.items() if k not in PLAIN_ONLY}
     if not {"dtype", "torch_dtype"} & set(kwargs):
         kwargs["dtype"] = getattr(torch, dtype)
-    model, info = _without_leaving_patches(getattr(transformers, cls).from_pretrained)(path, output_loading_info=True,
-                                                                                      **kwargs)
+    # `fusion_config=` registers its fusion's module patches for the rest of the process, and while any are registered
+    # every `from_pretrained` walks `dir()` of every transformers module (5.23-5.24, ~0.7 s a load): taken back here,
+    # or every later plain load in this pytest process pays it
+    patches_before = set(monkey_patching.get_patch_mapping())
+    model, info = getattr(transformers, cls).from_pretrained(path, output_loading_info=True, **kwargs)
+    if added := set(monkey_patching.get_patch_mapping()) - patches_before:
+        monkey_patching.unregister_patch_mapping(sorted(added))
     state = {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
     state.update({n: b.detach() for n, b in model.named_buffers(remove_duplicate=False)})
     tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
     return state, {k: sorted(map(str, v)) for k, v in info.items()}, tied
-
-
-def _without_leaving_patches(load):
-    """`load`, unregistering the module patches it registers: `fusion_config=` registers its fusion's patches for the
-    rest of the process, and while any are registered every `from_pretrained` walks `dir()` of every transformers
-    module (transformers 5.23-5.24, ~0.7 s a load): the later tests' plain loads in this pytest process would pay it."""
-    from transformers import monkey_patching
-
-    def run(*args, **kwargs):
-        before = set(monkey_patching.get_patch_mapping())
-        try:
-            return load(*args, **kwargs)
-        finally:
-            added = set(monkey_patching.get_patch_mapping()) - before
-            if added:
-                monkey_patching.unregister_patch_mapping(sorted(added))
-
-    return run
 
 
 def assert_equal_to_plain(name, dump, path):
