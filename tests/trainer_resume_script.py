@@ -33,7 +33,7 @@ expert_parallel_loads = []  # whether each load's report says it loaded with exp
 def load():
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
     report = getattr(model, "hf_zero3_load_report", None)  # none without the import
-    expert_parallel_loads.append(report is not None and "expert_parallel" in report.summary())
+    expert_parallel_loads.append(report is not None and report.expert_parallel is not None)
     return model
 
 
