@@ -119,7 +119,8 @@ def test_deepspeed_config_is_found_where_transformers_and_accelerate_put_it(tmp_
 def test_hub_id_from_the_local_cache(workdir, monkeypatch):
     """A hub id already in the local cache resolves through transformers (offline), and loads equal to plain; with
     `cache_dir=` too, where a rank whose cache lacks it (a node's own local cache) receives its bytes from one that
-    has it instead of failing in transformers' offline download."""
+    has it instead of failing in transformers' offline download. `revision=` picks its own snapshot (a tag's other
+    weights, files linked into `blobs/` as the hub lays them out), on the ranks that read and the one streamed to."""
     from transformers import AutoModelForCausalLM
 
     src = make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True)
@@ -130,6 +131,20 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
         with open(os.path.join(cache, "models--local--tiny-qwen3-moe", "refs", "main"), "w") as f:
             f.write("0" * 40)
         shutil.copytree(src, snapshot)
+        tagged = os.path.join(cache, "models--local--tiny-qwen3-moe", "snapshots", "1" * 40)
+        blobs = os.path.join(cache, "models--local--tiny-qwen3-moe", "blobs")
+        os.makedirs(blobs)
+        other = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1.0)
+        other.save_pretrained(os.path.join(workdir, "qwen3_moe_tag_v1"), max_shard_size="40KB")
+        os.makedirs(tagged)
+        for name in os.listdir(os.path.join(workdir, "qwen3_moe_tag_v1")):
+            shutil.copy(os.path.join(workdir, "qwen3_moe_tag_v1", name), os.path.join(blobs, name))
+            os.symlink(os.path.join("..", "..", "blobs", name), os.path.join(tagged, name))
+        with open(os.path.join(cache, "models--local--tiny-qwen3-moe", "refs", "v1"), "w") as f:
+            f.write("1" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", cache)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     empty_cache = os.path.join(workdir, "hub_cache_empty")
@@ -137,9 +152,13 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
     case = {"name": "hub", "path": "local/tiny-qwen3-moe", "dtype": "float32", "out": os.path.join(workdir, "hub.pt")}
     cache_dir = {**case, "name": "cache_dir", "out": os.path.join(workdir, "hub_cache_dir.pt"),
                  "kwargs_by_rank": {"0": {"cache_dir": cache}, "1": {"cache_dir": empty_cache}}}
-    dumps = run_torchrun(2, [case, cache_dir], workdir)
-    plain = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    for dump in dumps:
+    revision = {**case, "name": "revision", "out": os.path.join(workdir, "hub_revision.pt"), "kwargs": {"revision": "v1"}}
+    revision_streamed = {**cache_dir, "name": "revision_streamed", "out": os.path.join(workdir, "hub_rev_stream.pt"),
+                         "kwargs": {"revision": "v1"}}
+    dumps = run_torchrun(2, [case, cache_dir, revision, revision_streamed], workdir)
+    plain_main = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    plain_v1 = AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "qwen3_moe_tag_v1"), dtype=torch.float32)
+    for dump, plain in zip(dumps, (plain_main, plain_main, plain_v1, plain_v1)):
         got = dump["rank0"]
         assert "error" not in got, got.get("error", {}).get("traceback")
         want = dict([*plain.named_parameters(), *plain.named_buffers()])
@@ -147,8 +166,9 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
         for name, p in want.items():
             assert got["state"][name].dtype == p.dtype and torch.equal(got["state"][name], p.detach()), name
         assert got["generation_config"] == plain.generation_config.to_dict()
-    receiver = dumps[1]["ranks"][1]["report"]
-    assert receiver["bytes_read"] == 0 and receiver["stream"]["bytes_received"] == receiver["bytes_to_read"] > 0
+    for streamed in (dumps[1], dumps[3]):
+        receiver = streamed["ranks"][1]["report"]
+        assert receiver["bytes_read"] == 0 and receiver["stream"]["bytes_received"] == receiver["bytes_to_read"] > 0
 
 
 def test_a_load_inside_the_callers_own_zero_init_context(dumps, workdir):
