@@ -108,6 +108,9 @@ def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, fami
             print(f"skipped {family}: {type(e).__name__}: {str(e)[:120]}")
             continue
         out.append((f"{family}#{i} {str(dtype)[6:]} shards {shard}", path))
+    print(f"built {len(out)} of {n} drawn checkpoints ({n - len(out)} skipped)")
+    if not out:  # every draw skipped: "0 failure(s)" would claim checks that never ran
+        raise SystemExit("no drawn checkpoint could be built; nothing was checked")
     return out
 
 

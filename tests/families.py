@@ -187,6 +187,7 @@ HEAD_SWEEP = {
         "pp_chart2table", "pp_formulanet", "qianfan_ocr", "qwen2_5_omni_thinker", "qwen2_5_vl", "qwen2_vl", "qwen3_5",
         "qwen3_5_moe", "qwen3_omni_moe_thinker", "qwen3_vl", "qwen3_vl_moe", "qwen4_exp", "shieldgemma2", "smolvlm",
         "step3p7", "udop", "unlimited_ocr", "video_llama_3", "video_llava", "vipllava", "vision-encoder-decoder"),
+    "AutoModelForImageMatting": ("sapiens2", "vitmatte"),
     "AutoModelForImageToImage": ("swin2sr",),
     "AutoModelForKeypointDetection": ("superpoint",),
     "AutoModelForKeypointMatching": ("efficientloftr", "superglue"),
@@ -202,6 +203,7 @@ HEAD_SWEEP = {
         "conditional_detr", "d_fine", "dab-detr", "deformable_detr", "deimv2", "detr", "lw_detr", "pp_doclayout_v2",
         "pp_doclayout_v3", "pp_doclayout_v4", "pp_ocrv5_mobile_det", "pp_ocrv5_server_det", "pp_ocrv6_medium_det",
         "rf_detr", "rt_detr", "rt_detr_v2", "table-transformer", "yolos"),
+    "AutoModelForPoseEstimation": ("sapiens2", "vitpose"),  # ViTPose+: a slice of experts per dataset
     "AutoModelForQuestionAnswering": ("distilbert", "flaubert", "luke", "squeezebert", "xlnet"),
     "AutoModelForSemanticSegmentation": ("beit", "sapiens2", "tipsv2_dpt", "upernet"),
     "AutoModelForSeq2SeqLM": (
@@ -266,6 +268,9 @@ PER_LAYER_LISTS = ("layer_types", "no_rope_layers", "moe_layers", "mlp_only_laye
                    "deepstack_visual_indexes", "vision_feature_layer", "mlp_layer_types", "kv_source_layers")
 # a backbone's stages and the stages it outputs, rebuilt by its config from its (fewer) layers
 NEW_STAGES = dict(stage_names=None, out_features=None, out_indices=None)
+# the same, for configs that do not derive their stage names from their (2) layers
+TWO_STAGES = dict(stage_names=["stem", "stage1", "stage2"], out_features=["stage2"], out_indices=[2])
+VITPOSE_SIZES = dict(TWO_STAGES, image_size=[32, 24], patch_size=[8, 8], mlp_ratio=2, part_features=16, num_experts=3)
 def small_tower(model_type: str) -> dict:
     """A sub-config a composite's default config leaves out (None), added as `model_type`'s defaults shrunk."""
     return {"model_type": model_type, "shrunk": True}
@@ -402,6 +407,10 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                    sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     "squeezebert": dict(embedding_size=32, q_groups=2, k_groups=2, v_groups=2, intermediate_groups=2, output_groups=2),
     # vision backbones: 2 stages of 1 block
+    "vitmatte": dict(backbone_config=dict(TWO_STAGES, image_size=32, pretrain_image_size=32, patch_size=8)),
+    # ViTPose(+): experts in every layer's MLP (a shared part and one slice per dataset), chosen by dataset index
+    "vitpose": dict(backbone_config=dict(VITPOSE_SIZES)),
+    "vitpose_backbone": VITPOSE_SIZES,
     "beit": dict(num_hidden_layers=4, out_indices=[1, 2, 3, 4], stage_names=None, out_features=None),  # 4 for FPN
     "bit": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4, **NEW_STAGES),
     "convnext": dict(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], **NEW_STAGES),
