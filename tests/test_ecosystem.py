@@ -4,7 +4,8 @@ SFT run's `save_model` (and accelerate's) write the same files without a gather;
 under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE blocks whose experts get no
 tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
 does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 + EP; a
-Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses.
+Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses; the Trainer with Ulysses
+sequence parallelism (ALST) trains the same.
 """
 
 from __future__ import annotations
@@ -138,6 +139,15 @@ def test_trainer_checkpoints_under_expert_parallelism_resume_to_the_uninterrupte
     assert runs["full"]["expert_parallel_loads"] == [True, True] and runs["resume"]["expert_parallel_loads"] == [True]
     first = runs["first"]["checkpoints"]["checkpoint-2"]
     assert {"model.safetensors", "latest", "global_step2", "trainer_state.json"} <= set(first), first
+
+
+def test_trainer_with_ulysses_sequence_parallelism_trains_the_same_with_the_import(workdir):
+    """Long-context fine-tuning (ALST: the Trainer's `parallelism_config` with DeepSpeed Ulysses, each sequence split
+    over 2 ranks) on a MoE: DeepSpeed's sequence-parallel engine takes the partitions the loader built, and every
+    logged loss and gradient norm is the plain path's, bit for bit."""
+    ours, upstream = _trl_runs(workdir, "ulysses", "trainer_sequence_parallel_script.py", {})
+    assert ours["report"]["init_context"] == "zero3-meta" and upstream["report"] is None
+    assert len(ours["logged"]) == 3 and ours["logged"] == upstream["logged"]
 
 
 @pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
