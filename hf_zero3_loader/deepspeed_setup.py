@@ -21,6 +21,10 @@ from .errors import ConfigError
 class DeepSpeedSetup:
     config: dict
     found_via: str
+    # False where accelerate was told not to build models under `deepspeed.zero.Init` (`zero3_init_flag: false`)
+    # and transformers was not given the config either: its `from_pretrained` loads the whole model on every rank,
+    # and `deepspeed.initialize` partitions it
+    zero_init: bool = True
 
     @property
     def stage(self) -> int:
@@ -59,11 +63,12 @@ def _load_json(path: str) -> dict:
         raise ConfigError(f"cannot read DeepSpeed config {path}: {e}") from e
 
 
-def _from_accelerate_env() -> dict | None:
+def _from_accelerate_env() -> tuple[dict, bool] | None:
     """The config an `accelerate launch --use_deepspeed` process will train with, before its `Accelerator` exists:
     built by accelerate's own `DeepSpeedPlugin` from the environment the launcher set (the config file, or the
     plugin's fields: stage, offload devices, ...) with the launch's mixed precision, and the
-    "auto" batch sizes resolved as accelerate resolves them for `zero.Init` (`set_deepspeed_weakref`)."""
+    "auto" batch sizes resolved as accelerate resolves them for `zero.Init` (`set_deepspeed_weakref`); and whether
+    the launch builds models under `zero.Init` (`--zero3_init_flag`, read by the plugin)."""
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
@@ -84,7 +89,7 @@ def _from_accelerate_env() -> dict | None:
     if config.get("train_batch_size") == "auto":
         del config["train_batch_size"]
     _warn_of_unforwarded_nvme_path(config)
-    return config
+    return config, bool(plugin.zero3_init_flag)
 
 
 def _warn_of_unforwarded_nvme_path(config: dict) -> None:
@@ -120,11 +125,12 @@ def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup 
         if isinstance(plugin, dict):  # several named plugins: the active one
             plugin = next((p for p in plugin.values() if getattr(p, "selected", False)), None)
         if plugin is not None and getattr(plugin, "deepspeed_config", None):
-            return DeepSpeedSetup(plugin.deepspeed_config, "accelerate AcceleratorState")
+            return DeepSpeedSetup(plugin.deepspeed_config, "accelerate AcceleratorState",
+                                  zero_init=bool(getattr(plugin, "zero3_init_flag", True)))
     except ImportError:
         pass
-    config = _from_accelerate_env()
-    return DeepSpeedSetup(config, "accelerate launch environment") if config else None
+    found = _from_accelerate_env()
+    return DeepSpeedSetup(found[0], "accelerate launch environment", zero_init=found[1]) if found else None
 
 
 def nvme_param_offload(config: dict | None) -> dict | None:

@@ -131,7 +131,7 @@ def from_pretrained(
     start = time.perf_counter()
     try:
         setup = find_deepspeed_setup(ds_config)
-        zero3 = setup is not None and setup.stage == 3
+        zero3 = setup is not None and setup.stage == 3 and setup.zero_init
     except Exception as e:  # e.g. a config file one rank cannot read: the others must hear of it, not wait
         if not _launched_distributed():
             raise
@@ -198,15 +198,23 @@ def _share_and_raise(error: BaseException, phase: str, join_timeout_s, liveness_
 
 
 def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, start, strict_dtype=False):
-    """No ZeRO-3 (no DeepSpeed config, or ZeRO-1/2): every rank holds the whole model; transformers loads it on meta
-    and straight onto the rank's device."""
-    if setup is not None and is_requested(setup.config, ep_size, kwargs.get("distributed_config")):
+    """No ZeRO-3 (no DeepSpeed config, ZeRO-1/2, or ZeRO-3 launched with `zero3_init_flag: false`): every rank holds
+    the whole model; transformers loads it on meta and straight onto the rank's device."""
+    zero_init_off = setup is not None and setup.stage == 3  # deepspeed.initialize partitions the whole model
+    if setup is not None and not zero_init_off and is_requested(setup.config, ep_size,
+                                                                 kwargs.get("distributed_config")):
         raise ConfigError(f"expert parallelism with ZeRO stage {setup.stage} is not supported by hf_zero3_loader "
                           "yet; use ZeRO-3, or let deepspeed.initialize apply AutoEP to a plain load")
     if ep_size is not None:
-        raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config; without DeepSpeed use transformers' "
+        raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config that builds the model under zero.Init (in "
+                          "accelerate: zero3_init_flag true); without DeepSpeed use transformers' "
                           "distributed_config=DistributedConfig(ep_size=...)")
-    reason = "no DeepSpeed config found" if setup is None else f"ZeRO stage {setup.stage} ({setup.found_via})"
+    if setup is None:
+        reason = "no DeepSpeed config found"
+    elif zero_init_off:
+        reason = f"ZeRO-3 with zero3_init_flag false ({setup.found_via}): deepspeed.initialize partitions the model"
+    else:
+        reason = f"ZeRO stage {setup.stage} ({setup.found_via})"
     log.info("init context 'meta' (%s): loading onto the local device with transformers", reason)
     if setup is not None:
         kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)

@@ -13,13 +13,13 @@ from tests.checkpoints import make_checkpoint
 from tests.conftest import ROOT, free_port, python_path
 
 
-def accelerate_launch(ds_config_file: str, script: str, *args: str) -> None:
+def accelerate_launch(ds_config_file: str, script: str, *args: str, env: dict | None = None) -> None:
     """`accelerate launch --use_deepspeed --num_processes 2 --deepspeed_config_file F tests/SCRIPT ARGS`."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
            "--deepspeed_config_file", ds_config_file, "--main_process_port", str(free_port()),
            os.path.join(ROOT, "tests", script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
@@ -83,23 +83,49 @@ def test_the_launch_environment_gives_the_config_accelerate_trains_with(workdir,
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", config_file)
-    config = _from_accelerate_env()
-    assert DeepSpeedSetup(config, "test").dtype == torch.bfloat16
+    config, zero_init = _from_accelerate_env()
+    assert DeepSpeedSetup(config, "test").dtype == torch.bfloat16 and zero_init  # ZeRO-3 builds under zero.Init
     assert config["train_micro_batch_size_per_gpu"] == config["gradient_accumulation_steps"] == 1
     assert "train_batch_size" not in config
     monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "cpu")
-    config = _from_accelerate_env()
+    config, _ = _from_accelerate_env()
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert DeepSpeedSetup(config, "test").dtype == torch.bfloat16
     # accelerate's launcher does not forward --offload_param_nvme_path: its plugin's folder is "none", said aloud
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "nvme")
     with CapturedWarnings() as warned:
-        config = _from_accelerate_env()
+        config, _ = _from_accelerate_env()
     assert config["zero_optimization"]["offload_param"]["nvme_path"] == "none"
     assert any("offload_param.nvme_path is 'none'" in w and "./none" in w for w in warned.messages), warned.messages
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO3_INIT", "false")  # `--zero3_init_flag false`
+    assert _from_accelerate_env()[1] is False
+
+
+def test_zero3_init_flag_false_loads_the_whole_model_as_transformers_does(workdir):
+    """`accelerate launch --zero3_init_flag false` (or `zero3_init_flag: false` in accelerate's config) asks for
+    models built whole, partitioned only by `deepspeed.initialize`. A model loaded before the script's Accelerator
+    exists is then whole on every rank in the plain load, and stays so with the import (a script that edits its
+    weights before `prepare` would otherwise write into empty partitions); the explicit `from_pretrained` does the
+    same and says why. Once the Accelerator or TrainingArguments exist, accelerate 1.15 hands transformers the config
+    whatever the flag, and both paths build the model partitioned (`test_accelerate_launch_routes_...`)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    config = os.path.join(workdir, "ds_zero3.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}, f)
+    out = os.path.join(workdir, "accelerate_zero3_init_off.pt")
+    accelerate_launch(config, "accelerate_script.py", path, out, env={"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"})
+    got = torch.load(out, weights_only=False)
+    assert got["report"] is None and got["partitioned"] is False  # transformers' own load, untouched
+    assert got["explicit_report"]["init_context"] == "meta"
+    assert "zero3_init_flag false" in got["explicit_report"]["reason"], got["explicit_report"]
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    for name, p in plain.named_parameters():
+        assert torch.equal(got["state"][name], p.detach()), name
 
 
 def test_without_zero3_the_hook_leaves_from_pretrained_alone(workdir):

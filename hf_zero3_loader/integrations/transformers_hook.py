@@ -1,9 +1,10 @@
 """Route `PreTrainedModel.from_pretrained` through hf_zero3_loader whenever DeepSpeed ZeRO-3 is in force.
 
 For scripts run with `accelerate launch --use_deepspeed` or the Trainer: add `import hf_zero3_loader.auto` once at
-the top and leave every `AutoModel*.from_pretrained(...)` call as it is. Without ZeRO-3 (no config found, or
-stage 0-2) the call goes to transformers unchanged. The ZeRO-3 config is found the way `from_pretrained` finds
-it (HfDeepSpeedConfig, AcceleratorState, `accelerate launch` environment).
+the top and leave every `AutoModel*.from_pretrained(...)` call as it is. Without ZeRO-3 (no config found, stage
+0-2, or ZeRO-3 launched with `zero3_init_flag: false` before transformers holds the config) the call goes to
+transformers unchanged. The ZeRO-3 config is found the way `from_pretrained` finds it (HfDeepSpeedConfig,
+AcceleratorState, `accelerate launch` environment).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def install() -> None:
         from ..loader import from_pretrained as zero3_from_pretrained
 
         setup = None if _inside_loader() else find_deepspeed_setup(None)
-        if setup is None or setup.stage != 3:
+        if setup is None or setup.stage != 3 or not setup.zero_init:  # zero.Init off: transformers loads it whole
             return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         _state.depth = getattr(_state, "depth", 0) + 1  # our loader calls from_pretrained itself
         try:
