@@ -200,7 +200,7 @@ def _share_and_raise(error: BaseException, phase: str, join_timeout_s, liveness_
 def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, start, strict_dtype=False):
     """No ZeRO-3 (no DeepSpeed config, ZeRO-1/2, or ZeRO-3 launched with `zero3_init_flag: false`): every rank holds
     the whole model; transformers loads it on meta and straight onto the rank's device."""
-    zero_init_off = setup is not None and setup.stage == 3  # deepspeed.initialize partitions the whole model
+    zero_init_off = setup is not None and setup.stage == 3 and not setup.zero_init  # initialize partitions it
     if setup is not None and not zero_init_off and is_requested(setup.config, ep_size,
                                                                  kwargs.get("distributed_config")):
         raise ConfigError(f"expert parallelism with ZeRO stage {setup.stage} is not supported by hf_zero3_loader "

@@ -407,10 +407,6 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                    sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
     "squeezebert": dict(embedding_size=32, q_groups=2, k_groups=2, v_groups=2, intermediate_groups=2, output_groups=2),
     # vision backbones: 2 stages of 1 block
-    "vitmatte": dict(backbone_config=dict(TWO_STAGES, image_size=32, pretrain_image_size=32, patch_size=8)),
-    # ViTPose(+): experts in every layer's MLP (a shared part and one slice per dataset), chosen by dataset index
-    "vitpose": dict(backbone_config=dict(VITPOSE_SIZES)),
-    "vitpose_backbone": VITPOSE_SIZES,
     "beit": dict(num_hidden_layers=4, out_indices=[1, 2, 3, 4], stage_names=None, out_features=None),  # 4 for FPN
     "bit": dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_groups=4, **NEW_STAGES),
     "convnext": dict(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], **NEW_STAGES),
@@ -445,6 +441,11 @@ HEAD_SIZES_FOR: dict[str, dict] = {
                    pretrained_window_sizes=[0, 0], **NEW_STAGES),
     "textnet": dict(stem_out_channels=16, image_size=[32, 32], hidden_sizes=[16, 16, 32], depths=[1, 1],
                     conv_layer_kernel_sizes=[[[3, 3]], [[3, 3]]], conv_layer_strides=[[1], [2]], **NEW_STAGES),
+    # ViT backbones of 2 layers: matting, and ViTPose(+) with experts in every layer's MLP (a shared part and one
+    # slice per dataset, chosen by dataset index)
+    "vitmatte": dict(backbone_config=dict(TWO_STAGES, image_size=32, pretrain_image_size=32, patch_size=8)),
+    "vitpose": dict(backbone_config=dict(VITPOSE_SIZES)),
+    "vitpose_backbone": VITPOSE_SIZES,
     # detectors (DETR's segmentation head convolves d_model + heads channels in groups of 8, over 4 stages)
     "conditional_detr": DETR_SIZES,
     "dab-detr": dict(DETR_SIZES, hidden_size=32),

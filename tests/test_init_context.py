@@ -152,7 +152,8 @@ def test_hub_id_from_the_local_cache(workdir, monkeypatch):
     case = {"name": "hub", "path": "local/tiny-qwen3-moe", "dtype": "float32", "out": os.path.join(workdir, "hub.pt")}
     cache_dir = {**case, "name": "cache_dir", "out": os.path.join(workdir, "hub_cache_dir.pt"),
                  "kwargs_by_rank": {"0": {"cache_dir": cache}, "1": {"cache_dir": empty_cache}}}
-    revision = {**case, "name": "revision", "out": os.path.join(workdir, "hub_revision.pt"), "kwargs": {"revision": "v1"}}
+    revision = {**case, "name": "revision", "out": os.path.join(workdir, "hub_revision.pt"),
+                "kwargs": {"revision": "v1"}}
     revision_streamed = {**cache_dir, "name": "revision_streamed", "out": os.path.join(workdir, "hub_rev_stream.pt"),
                          "kwargs": {"revision": "v1"}}
     dumps = run_torchrun(2, [case, cache_dir, revision, revision_streamed], workdir)
