@@ -110,7 +110,7 @@ def test_zero3_init_flag_false_loads_the_whole_model_as_transformers_does(workdi
     exists is then whole on every rank in the plain load, and stays so with the import (a script that edits its
     weights before `prepare` would otherwise write into empty partitions); the explicit `from_pretrained` does the
     same and says why. Once the Accelerator or TrainingArguments exist, accelerate 1.15 hands transformers the config
-    whatever the flag, and both paths build the model partitioned (`test_accelerate_launch_routes_...`)."""
+    whatever the flag, and both paths build the model partitioned (by hand, accelerate 1.15)."""
     from transformers import AutoModelForCausalLM
 
     path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
