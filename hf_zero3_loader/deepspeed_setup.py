@@ -34,6 +34,11 @@ class DeepSpeedSetup:
         return stage
 
     @property
+    def partitions_at_load(self) -> bool:
+        """ZeRO-3 with `zero.Init` on: the model is built and loaded partitioned (else transformers loads it whole)."""
+        return self.stage == 3 and self.zero_init
+
+    @property
     def dtype(self) -> torch.dtype | None:
         """The dtype DeepSpeed trains in; None when the config leaves it to 'auto'."""
         for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):

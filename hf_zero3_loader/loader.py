@@ -131,7 +131,7 @@ def from_pretrained(
     start = time.perf_counter()
     try:
         setup = find_deepspeed_setup(ds_config)
-        zero3 = setup is not None and setup.stage == 3 and setup.zero_init
+        zero3 = setup is not None and setup.partitions_at_load
     except Exception as e:  # e.g. a config file one rank cannot read: the others must hear of it, not wait
         if not _launched_distributed():
             raise

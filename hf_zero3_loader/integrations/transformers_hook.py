@@ -36,7 +36,7 @@ def install() -> None:
         from ..loader import from_pretrained as zero3_from_pretrained
 
         setup = None if _inside_loader() else find_deepspeed_setup(None)
-        if setup is None or setup.stage != 3 or not setup.zero_init:  # zero.Init off: transformers loads it whole
+        if setup is None or not setup.partitions_at_load:
             return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         _state.depth = getattr(_state, "depth", 0) + 1  # our loader calls from_pretrained itself
         try:
