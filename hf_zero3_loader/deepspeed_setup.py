@@ -154,9 +154,25 @@ def async_io_buildable() -> bool:
     return builder is not None and builder.is_compatible(verbose=False)
 
 
+def local_device() -> torch.device:
+    """This rank's device: LOCAL_RANK's, as DeepSpeed's `zero.Init` takes it; without LOCAL_RANK (a script that
+    starts its own processes, e.g. `torch.multiprocessing.spawn`), the device the script made current."""
+    from deepspeed.accelerator import get_accelerator
+
+    if "LOCAL_RANK" in os.environ:
+        return torch.device(get_accelerator().device_name(int(os.environ["LOCAL_RANK"])))
+    return torch.device(get_accelerator().current_device_name())
+
+
 def check_supported(setup: DeepSpeedSetup) -> None:
-    """NVMe parameter offload needs DeepSpeed's async_io op, built on first use against libaio: say so up front
-    rather than through the op builder's compile error."""
+    """What DeepSpeed would refuse later with a bare error, said up front: `zero.Init` takes the rank's device from
+    LOCAL_RANK (a `KeyError` on transformers' path too), and NVMe parameter offload needs DeepSpeed's async_io op,
+    built on first use against libaio (else the op builder's compile error)."""
+    if "LOCAL_RANK" not in os.environ:
+        raise ConfigError("LOCAL_RANK is not set: DeepSpeed ZeRO-3 (zero.Init) takes each rank's device from it "
+                          "(transformers' own ZeRO-3 path fails with KeyError: 'LOCAL_RANK'). Launch with torchrun, "
+                          "`accelerate launch` or `deepspeed`, or set os.environ['LOCAL_RANK'] to the process's index "
+                          "on its machine before loading (with torch.multiprocessing.spawn: the index it passes)")
     offload = nvme_param_offload(setup.config)
     if offload is not None:
         if not offload.get("nvme_path"):

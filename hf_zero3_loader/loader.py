@@ -23,7 +23,8 @@ from . import _transformers_private as hf_private
 from . import log
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, find_index
-from .deepspeed_setup import check_supported, find_deepspeed_setup, nvme_param_offload, resolve_dtype
+from .deepspeed_setup import (check_supported, find_deepspeed_setup, local_device, nvme_param_offload,
+                              resolve_dtype)
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, refuse_other_parallelism, request_from
 from .gc_pause import paused_gc
@@ -32,7 +33,7 @@ from .reader import default_io_threads
 from .report import LoadReport, attach
 from .staging import DEFAULT_STAGING_BYTES, check_budget
 from .streaming import DEFAULT_CHUNK_BYTES, MODES, find_readers, find_state_dict_holders
-from .zero3_load import TransformersPathNeeded, Zero3Load, local_device, quant_method
+from .zero3_load import TransformersPathNeeded, Zero3Load, quant_method
 
 __all__ = ["LoadReport", "from_pretrained"]
 

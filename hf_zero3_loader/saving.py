@@ -38,6 +38,7 @@ from . import _transformers_private as hf_private
 from . import log
 from .agreement import Agreement
 from .checkpoint import INDEX_NAMES, Checkpoint, PlannedFile, plan_safetensors_file
+from .deepspeed_setup import local_device
 from .errors import CheckpointError, ConfigError, LoaderError
 from .gc_pause import paused_gc
 from .planner.plan import (LoadPlan, PartitionGroup, SourceBox, check_plan_is_exact, model_tensors, plan_tensors,
@@ -568,7 +569,7 @@ class _Save:
         import torch.distributed as dist
 
         report = self.report
-        device = torch.device("cpu") if dist.get_backend() == "gloo" else _partition_device(self.plan)
+        device = torch.device("cpu") if dist.get_backend() == "gloo" else local_device()
         streamer = Streamer(self.chunk_bytes, device)
         edp = [self.layout.groups.edp_group] if self.layout is not None else []
         with self.agreement.collective_section("stream partitions to the writing ranks", edp):
@@ -636,12 +637,6 @@ def _in_folder(item, folder: str):
     from dataclasses import replace
 
     return replace(item, file=os.path.join(folder, item.file))
-
-
-def _partition_device(plan: LoadPlan) -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 def _sees_folder(temp: str, token: str) -> tuple[bool, str]:

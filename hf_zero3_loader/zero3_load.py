@@ -27,6 +27,7 @@ from ._deepspeed_private import partitions_in_memory
 from .agreement import Agreement
 from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
                          open_checkpoint)
+from .deepspeed_setup import local_device
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, LoaderError
 from .expert_parallel import ExpertParallelLayout
 from .missing_init import initialize_missing, materialize_meta_buffers
@@ -38,12 +39,6 @@ from .report import LoadReport
 from .staging import DEFAULT_STAGING_BYTES, run_staged_reads
 from .streaming import Streamer, checkpoint_from_bundle, stream_bytes
 from .zero3 import Zero3Partitioner
-
-
-def local_device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
 
 
 # quantizers whose weights this loader dequantizes on read: kept quantized they are refused with what to pass

@@ -178,6 +178,14 @@ def inject_fault(case: dict):
             return real_execute(*args, **kwargs)
         reader.execute_read = execute_read
         saved.append((reader, "execute_read", real_execute))
+    elif kind == "no_local_rank":  # a script that starts its own processes (torch.multiprocessing.spawn) and no LOCAL_RANK
+        local_rank = os.environ.pop("LOCAL_RANK")
+        real_undo = undo
+
+        def undo():
+            os.environ["LOCAL_RANK"] = local_rank
+            real_undo()
+        return undo
     elif kind == "replace_shard":  # after the headers were read, before the reads: an atomic rename over a shard
         real_init = reader.FileReader.__init__
 

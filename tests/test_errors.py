@@ -279,6 +279,9 @@ CASES = {
     "tensor_in_two_shards": ("tensor_in_two_shards", None, {}, None, "CheckpointError",
                              ["tensor 'model.norm.weight' appears in both", "model-00001-of-", "a mixed or partly "
                               "updated copy?"]),
+    # DeepSpeed's zero.Init takes the rank's device from LOCAL_RANK: a KeyError on transformers' path
+    "no_local_rank_on_rank_1": ("good", None, {}, {"rank": 1, "kind": "no_local_rank"}, "ConfigError",
+                                ["LOCAL_RANK is not set", "torch.multiprocessing.spawn"]),
     # a shard atomically replaced after the headers were read: detected, never read at the old offsets
     "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
                                 "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
@@ -399,6 +402,7 @@ def test_an_arch_list_deepspeeds_op_builder_cannot_parse_is_named_before_nvme_of
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(deepspeed_setup, "async_io_buildable", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as a launcher sets it (its absence is refused first)
     setup = deepspeed_setup.DeepSpeedSetup(ds_config_for("bfloat16", {"zero_optimization": {
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp/swap"}}}), "test")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a+PTX")
