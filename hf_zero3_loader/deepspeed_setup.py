@@ -1,4 +1,4 @@
-"""Find the DeepSpeed config in force and decide the init context from it.
+"""Find the DeepSpeed config in force, decide the init context from it, and this rank's device.
 
 Order: an explicit `ds_config` (dict or JSON path) -> transformers' `HfDeepSpeedConfig` weakref ->
 accelerate's `AcceleratorState` -> the environment `accelerate launch` sets.
