@@ -178,7 +178,7 @@ def inject_fault(case: dict):
             return real_execute(*args, **kwargs)
         reader.execute_read = execute_read
         saved.append((reader, "execute_read", real_execute))
-    elif kind == "no_local_rank":  # a script that starts its own processes (torch.multiprocessing.spawn) and no LOCAL_RANK
+    elif kind == "no_local_rank":  # a script that starts its own processes (mp.spawn) and sets no LOCAL_RANK
         local_rank = os.environ.pop("LOCAL_RANK")
         real_undo = undo
 
