@@ -179,13 +179,8 @@ def inject_fault(case: dict):
         reader.execute_read = execute_read
         saved.append((reader, "execute_read", real_execute))
     elif kind == "no_local_rank":  # a script that starts its own processes (mp.spawn) and sets no LOCAL_RANK
-        local_rank = os.environ.pop("LOCAL_RANK")
-        real_undo = undo
-
-        def undo():
-            os.environ["LOCAL_RANK"] = local_rank
-            real_undo()
-        return undo
+        local_rank = os.environ.pop("LOCAL_RANK")  # nothing patched: putting it back is the whole undo
+        return lambda: os.environ.update(LOCAL_RANK=local_rank)
     elif kind == "replace_shard":  # after the headers were read, before the reads: an atomic rename over a shard
         real_init = reader.FileReader.__init__
 
