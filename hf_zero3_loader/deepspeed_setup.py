@@ -114,6 +114,17 @@ def _warn_of_unforwarded_nvme_path(config: dict) -> None:
                              section, section)
 
 
+def accelerate_deepspeed_plugins() -> list:
+    """The DeepSpeed plugins of this process's accelerate state (one, or several named ones), if any."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        return []
+    state = AcceleratorState._shared_state
+    found = state.get("deepspeed_plugins") or state.get("deepspeed_plugin")
+    return list(found.values()) if isinstance(found, dict) else [found] if found is not None else []
+
+
 def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup | None:
     if ds_config is not None:
         config = _load_json(ds_config) if isinstance(ds_config, (str, os.PathLike)) else dict(ds_config)
@@ -122,18 +133,11 @@ def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup 
 
     if deepspeed_config() is not None:
         return DeepSpeedSetup(deepspeed_config(), "transformers HfDeepSpeedConfig")
-    try:
-        from accelerate.state import AcceleratorState
-
-        state = AcceleratorState._shared_state
-        plugin = state.get("deepspeed_plugins") or state.get("deepspeed_plugin")
-        if isinstance(plugin, dict):  # several named plugins: the active one
-            plugin = next((p for p in plugin.values() if getattr(p, "selected", False)), None)
-        if plugin is not None and getattr(plugin, "deepspeed_config", None):
-            return DeepSpeedSetup(plugin.deepspeed_config, "accelerate AcceleratorState",
-                                  zero_init=bool(getattr(plugin, "zero3_init_flag", True)))
-    except ImportError:
-        pass
+    plugins = accelerate_deepspeed_plugins()
+    plugin = plugins[0] if len(plugins) == 1 else next((p for p in plugins if getattr(p, "selected", False)), None)
+    if plugin is not None and getattr(plugin, "deepspeed_config", None):  # of several named plugins: the active one
+        return DeepSpeedSetup(plugin.deepspeed_config, "accelerate AcceleratorState",
+                              zero_init=bool(getattr(plugin, "zero3_init_flag", True)))
     found = _from_accelerate_env()
     return DeepSpeedSetup(found[0], "accelerate launch environment", zero_init=found[1]) if found else None
 

@@ -21,6 +21,7 @@ A model with no experts under an enabled section (a dense reward model beside a 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 
@@ -28,8 +29,12 @@ import torch
 
 from . import _deepspeed_private as ds_private
 from . import log
+from .deepspeed_setup import accelerate_deepspeed_plugins
 from .errors import ConfigError, LoaderError, UnsupportedConversionError
 from .planner.plan import LoadPlan, PartitionGroup, SourceBox
+
+
+ACCELERATE_MOE_LEAF_ENV = "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"  # accelerate's deepspeed_moe_layer_cls_names
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,7 @@ class ExpertParallelLayout:
     expert_params: set[str] = field(default_factory=set)
     new_buffers: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # AutoEP's own zero buffers
     layers: list[str] = field(default_factory=list)
+    replaced_classes: set[str] = field(default_factory=set)  # the MoE block classes AutoEP layers took the place of
     num_experts: int = 0
     local_experts: tuple[int, int] = (0, 0)
 
@@ -337,6 +343,7 @@ class ExpertParallelLayout:
             local = ds_private.local_expert_range(layout.num_experts, request.ep_size, ep_rank)
             layout.boxes_by_ep_rank[ep_rank] = {k: v for spec in specs for k, v in layout._boxes_for(model, spec, local).items()}
         boxes = layout.boxes_by_ep_rank[groups.ep_rank]
+        layout.replaced_classes = {type(model.get_submodule(name)).__name__ for name in layout.layers}
         ds_private.replace_moe_layers(model, autoep_config, specs, request.ep_size, groups.ep_rank)
         layer_class = ds_private.autoep_layer_class()
         for name in layout.layers:
@@ -401,6 +408,36 @@ class ExpertParallelLayout:
             detail = ", ".join(f"{n} (from {self.sources[n].source}: {plan.tensors[n].status})" for n in absent[:6])
             raise ConfigError(f"expert parallelism needs every MoE router and expert weight from the checkpoint; "
                               f"{len(absent)} are not there: {detail}{' ...' if len(absent) > 6 else ''}")
+
+    def forget_accelerate_leaf_marks(self, model: torch.nn.Module) -> None:
+        """accelerate's `deepspeed_moe_layer_cls_names` (`ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`) marks MoE blocks
+        as ZeRO-3 leaf modules in `Accelerator.prepare`, before `deepspeed.initialize`, and raises where the model
+        holds no module of a named class. Under engine-side AutoEP the blocks are still there then, and the marks go
+        with them when the engine replaces them; here AutoEP layers replaced them at load. The classes the model no
+        longer holds are dropped from that setting, so the run goes as engine-side AutoEP's does (an AutoEP layer
+        runs on every rank whatever the routing, so it needs no mark)."""
+        gone = self.replaced_classes - {type(m).__name__ for m in model.modules()}
+        dropped = set()
+
+        def kept(names: str | None) -> str | None:  # accelerate splits on "," as is
+            listed = names.split(",") if names else []
+            dropped.update(n for n in listed if n.strip() in gone)
+            return ",".join(n for n in listed if n.strip() not in gone) or None
+
+        if os.environ.get(ACCELERATE_MOE_LEAF_ENV):
+            names = kept(os.environ[ACCELERATE_MOE_LEAF_ENV])
+            if names is None:
+                del os.environ[ACCELERATE_MOE_LEAF_ENV]
+            else:
+                os.environ[ACCELERATE_MOE_LEAF_ENV] = names
+        for plugin in accelerate_deepspeed_plugins():  # one given transformer_moe_cls_names itself
+            if getattr(plugin, "transformer_moe_cls_names", None):
+                plugin.transformer_moe_cls_names = kept(plugin.transformer_moe_cls_names)
+        if dropped:
+            log.warning_once("ep-leaf-marks", "expert parallelism replaced every %s with DeepSpeed's AutoEP layer; "
+                             "accelerate's deepspeed_moe_layer_cls_names no longer marks %s as a ZeRO-3 leaf module "
+                             "(as with engine-side AutoEP, whose layers need no mark)",
+                             ", ".join(sorted(n.strip() for n in dropped)), "it" if len(dropped) == 1 else "them")
 
     def materialize_new_buffers(self, device: torch.device) -> None:
         """AutoEP's own buffers (token counters) are zeros by construction; they are on meta after the replacement."""

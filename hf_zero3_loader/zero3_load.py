@@ -166,6 +166,7 @@ class Zero3Load:
                 layout.check_loaded(plan)
                 self.report.expert_parallel = layout.summary(plan)
                 self.report.expert_parallel_layout = layout
+                layout.forget_accelerate_leaf_marks(model)
             self.report.plan = plan
             served = {}
             if self.stream is not None:  # the same plans the receiving ranks make for themselves

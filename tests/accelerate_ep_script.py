@@ -12,8 +12,10 @@ from transformers import AutoModelForCausalLM
 
 path, out = sys.argv[1], sys.argv[2]
 accelerator = Accelerator()
+leaf_names_before = os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES")  # (the test's record)
 model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
 report = model.hf_zero3_load_report.summary()
+moe_leaf_names = (leaf_names_before, os.environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = accelerator.prepare(model, optimizer)
 g = torch.Generator().manual_seed(0)
@@ -26,7 +28,7 @@ for _ in range(2):
     optimizer.zero_grad()
     losses.append(loss.item())
 every = [None] * dist.get_world_size()
-dist.all_gather_object(every, {"report": report, "losses": losses})
+dist.all_gather_object(every, {"report": report, "losses": losses, "moe_leaf_names": moe_leaf_names})
 if dist.get_rank() == 0:
     torch.save(every, out)
 dist.barrier()

@@ -13,10 +13,11 @@ from tests.checkpoints import make_checkpoint
 from tests.conftest import ROOT, free_port, python_path
 
 
-def accelerate_launch(ds_config_file: str, script: str, *args: str, env: dict | None = None) -> None:
-    """`accelerate launch --use_deepspeed --num_processes 2 --deepspeed_config_file F tests/SCRIPT ARGS`."""
+def accelerate_launch(ds_config_file: str, script: str, *args: str, env: dict | None = None,
+                      launch_args: tuple = ()) -> None:
+    """`accelerate launch --use_deepspeed --num_processes 2 --deepspeed_config_file F [LAUNCH_ARGS] tests/SCRIPT ARGS`."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--num_processes", "2",
-           "--deepspeed_config_file", ds_config_file, "--main_process_port", str(free_port()),
+           "--deepspeed_config_file", ds_config_file, "--main_process_port", str(free_port()), *launch_args,
            os.path.join(ROOT, "tests", script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", **(env or {})})
@@ -42,7 +43,11 @@ def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
 
 def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdir):
     """The DeepSpeed config file accelerate users have, with `expert_parallel`: the load builds the EP layout,
-    Accelerator.prepare (deepspeed.initialize with the same file) accepts it, and AdamW steps run."""
+    Accelerator.prepare (deepspeed.initialize with the same file) accepts it, and AdamW steps run. The launch also
+    names the MoE block as a ZeRO-3 leaf module (`deepspeed_moe_layer_cls_names`, as accelerate suggests for MoE
+    models): the AutoEP layers replaced every such block at load, so prepare would find none and raise; the name is
+    dropped, as engine-side AutoEP drops the marks of the blocks it replaces (the losses then equal engine-side
+    AutoEP's, checked by hand on 2026-11-29: the same two losses bit for bit on both ranks)."""
     from tests.checkpoints import ep_config
 
     path = make_checkpoint(os.path.join(workdir, "ep_qwen3_moe"), "qwen3_moe", config=ep_config("qwen3_moe"))
@@ -52,9 +57,11 @@ def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdi
                    "zero_optimization": {"stage": 3},
                    "expert_parallel": {"enabled": True, "autoep_size": 2, "use_grouped_mm": False}}, f)
     out = os.path.join(workdir, "accelerate_ep.pt")
-    accelerate_launch(config, "accelerate_ep_script.py", path, out)
+    accelerate_launch(config, "accelerate_ep_script.py", path, out,
+                      launch_args=("--deepspeed_moe_layer_cls_names", "Qwen3MoeSparseMoeBlock"))
     ranks = torch.load(out, weights_only=False)
     for rank, got in enumerate(ranks):
+        assert got["moe_leaf_names"] == ("Qwen3MoeSparseMoeBlock", None), got["moe_leaf_names"]  # before, after load
         assert got["report"]["init_context"] == "ep-meta", got["report"]
         assert got["report"]["expert_parallel"]["ep_rank"] == rank
         assert got["report"]["expert_parallel"]["local_experts"] == [[0, 1, 2], [3, 4, 5]][rank]
