@@ -43,6 +43,24 @@ class ExpertParallelRequest:
     autoep_section: dict  # the `expert_parallel` section AutoEP is configured with
     asked_via: str
     by_config_only: bool = False  # only the DeepSpeed config's section asked (what the engine reads too)
+    engine_refuses: tuple[str, ...] = ()  # settings deepspeed.initialize refuses for AutoEP layers under ZeRO-3
+
+
+def _what_the_engine_refuses(ds_config: dict) -> tuple[str, ...]:
+    """The settings of this config that DeepSpeed 0.19.8's engine refuses for AutoEP layers under ZeRO-3
+    (`DeepSpeedEngine._validate_zero3_moe_compatibility`, at `deepspeed.initialize`): found before the load, not
+    after it."""
+    zero = ds_config.get("zero_optimization") or {}
+    found = []
+    for where, value, supported in (
+            ("sequence_parallel_size", ds_config.get("sequence_parallel_size"), 1),
+            ("zero_optimization.zero_quantized_gradients", zero.get("zero_quantized_gradients"), False),
+            ("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size"), 1),
+            ("expert_parallel.expert_tensor_parallel_size",
+             (ds_config.get("expert_parallel") or {}).get("expert_tensor_parallel_size"), 1)):
+        if value is not None and value != supported:
+            found.append(f"{where}={value!r}")
+    return tuple(found)
 
 
 def _ep_size_from_distributed_config(distributed_config, world_size: int) -> int | None:
@@ -120,7 +138,8 @@ def request_from(ds_config: dict, ep_size: int | None, distributed_config, world
     size = asked[0][1]
     section = {**(ds_config.get("expert_parallel") or {}), "enabled": True, "autoep_size": size}
     return ExpertParallelRequest(size, section, ", ".join(via.rstrip("=") for via, _ in asked),
-                                 by_config_only=[via for via, _ in asked] == [CONFIG_ASK])
+                                 by_config_only=[via for via, _ in asked] == [CONFIG_ASK],
+                                 engine_refuses=_what_the_engine_refuses(ds_config))
 
 
 @dataclass
@@ -312,6 +331,11 @@ class ExpertParallelLayout:
         model_type = getattr(model.config, "model_type", None)
         if without_experts(model, request):
             return None
+        if request.engine_refuses:
+            raise ConfigError(f"DeepSpeed {ds_private.DEEPSPEED_VERSION_WRITTEN_AGAINST}'s engine does not support "
+                              f"expert parallelism (AutoEP) with ZeRO-3 under {', '.join(request.engine_refuses)}: "
+                              "deepspeed.initialize would refuse it after the load (engine-side AutoEP too), so the "
+                              "load refuses it first; drop the setting, or expert parallelism")
         families = supported_model_types()
         if model_type not in families and not structure_named(request.autoep_section):
             note = ds_private.autoep_note_for(model_type)  # e.g. a vision-language model: its text backbone has one

@@ -240,6 +240,13 @@ CASES = {
                           "ConfigError", ["conflicting expert parallel sizes", "autoep_size=2", "ep_size=1"]),
     "ep_with_zero2": ("good", {"zero_optimization": {"stage": 2}, "expert_parallel": {"enabled": True, "autoep_size": 2}},
                       {}, None, "ConfigError", ["expert parallelism with ZeRO stage 2"]),
+    # settings DeepSpeed's engine refuses for AutoEP under ZeRO-3 at deepspeed.initialize: refused before the load
+    "ep_with_hpz_and_quantized_gradients": (
+        "good", {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}}, {"ep_size": 2}, None,
+        "ConfigError", ["does not support expert parallelism (AutoEP) with ZeRO-3 under",
+                        "zero_optimization.zero_quantized_gradients=True", "zero_optimization.zero_hpz_partition_size=2",
+                        "deepspeed.initialize would refuse it after the load"]),
     "ep_missing_expert_weights": ("no_experts", None, {"ep_size": 1}, None, "ConfigError",
                                   ["needs every MoE router and expert weight", "experts.w1", "gate_up_proj: missing"]),
     "dtype_conflicts_with_config_strict": ("good", _stage3(bf16={"enabled": True}),
