@@ -53,7 +53,6 @@ def _what_the_engine_refuses(ds_config: dict) -> tuple[str, ...]:
     zero = ds_config.get("zero_optimization") or {}
     found = []
     for where, value, supported in (
-            ("sequence_parallel_size", ds_config.get("sequence_parallel_size"), 1),
             ("zero_optimization.zero_quantized_gradients", zero.get("zero_quantized_gradients"), False),
             ("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size"), 1),
             ("expert_parallel.expert_tensor_parallel_size",
