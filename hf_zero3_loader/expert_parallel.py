@@ -212,6 +212,7 @@ def check_at_initialize(model: torch.nn.Module, engine_config) -> None:
     (`engine_config`: the `expert_parallel` section it was given, parsed)."""
     refuse_an_initialize_section_that_differs(model, engine_config)
     refuse_parameters_added_to_experts(model)
+    refuse_adapter_targets_the_load_replaced(model)
 
 
 def refuse_an_initialize_section_that_differs(model: torch.nn.Module, engine_config) -> None:
@@ -259,6 +260,37 @@ def refuse_parameters_added_to_experts(model: torch.nn.Module) -> None:
             "PEFT's LoRA on the experts?): each rank holds its own experts, but ZeRO-3 would partition these over "
             "every rank and average their gradients across ranks holding different experts. Adapt the other modules "
             "(attention, shared experts), or train the experts themselves")
+
+
+def refuse_adapter_targets_the_load_replaced(model: torch.nn.Module) -> None:
+    """At `deepspeed.initialize`. PEFT names what LoRA adapts in transformers' names, and for transformers 5 MoE
+    types turns the experts' projections (`gate_proj`, `up_proj`, `down_proj`; "all-linear" covers them too) into the
+    fused expert parameters (`target_parameters`: `gate_up_proj`, `down_proj`). Under expert parallelism those are
+    AutoEP's `experts.w1/w2/w3`, so PEFT matched nothing for them, without an error when another target matched: the
+    adapter would train without the expert LoRA the same config trains without expert parallelism. Refused, on every
+    rank alike (LoRA on the experts is not supported under EP: `refuse_parameters_added_to_experts`)."""
+    configs, tuner = getattr(model, "peft_config", None), getattr(model, "base_model", None)
+    layout = next((m.hf_zero3_load_report.expert_parallel_layout for m in model.modules()
+                   if getattr(getattr(m, "hf_zero3_load_report", None), "expert_parallel_layout", None)), None)
+    if not isinstance(configs, dict) or layout is None:
+        return
+    targeted = list(getattr(tuner, "targeted_parameter_names", None) or [])  # PEFT's names: the unwrapped model's
+    replaced = {box.source for box in layout.sources.values()}  # transformers' names of what AutoEP layers hold
+
+    def matches(name: str, target: str) -> bool:  # PEFT's rule for target_parameters
+        return name == target or name.endswith(f".{target}")
+
+    lost = sorted({target for config in configs.values() for target in getattr(config, "target_parameters", None) or []
+                   if any(matches(n, target) for n in replaced) and not any(matches(n, target) for n in targeted)})
+    if lost:
+        example = next(n for n in sorted(replaced) if matches(n, lost[0]))
+        raise ConfigError(
+            f"the PEFT adapter targets parameters that expert parallelism replaced (target_parameters {lost}: "
+            f"{example}, ...; PEFT maps the experts' gate_proj/up_proj/down_proj, and \"all-linear\", to them for "
+            "transformers 5 MoE models). Under expert parallelism the experts are DeepSpeed AutoEP's, so PEFT adapted "
+            "none of them: the adapter would train without the expert LoRA this config trains without expert "
+            "parallelism, and LoRA on the experts is not supported under it. Name the modules to adapt without the "
+            "experts (target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train without expert parallelism")
 
 
 # PEFT's wrapper (`get_peft_model`) names the model's modules `base_model.model.<name>`
@@ -431,6 +463,28 @@ class ExpertParallelLayout:
             detail = ", ".join(f"{n} (from {self.sources[n].source}: {plan.tensors[n].status})" for n in absent[:6])
             raise ConfigError(f"expert parallelism needs every MoE router and expert weight from the checkpoint; "
                               f"{len(absent)} are not there: {detail}{' ...' if len(absent) > 6 else ''}")
+
+    def renamed_modules(self) -> dict[str, str]:
+        """Module name in the expert-parallel model -> transformers' name, for each module AutoEP holds whole under
+        another name (its router's `gate` linear is transformers' `gate`; shared experts, where moved)."""
+        renamed = {}
+        for name, source in self.sources.items():
+            (module, param), (original, original_param) = name.rpartition(".")[::2], source.source.rpartition(".")[::2]
+            if not source.box and param == original_param and module != original:
+                renamed[module] = original
+        return renamed
+
+    def let_peft_load_adapters_in_transformers_names(self, model: torch.nn.Module) -> None:
+        """An adapter saved from an expert-parallel load names its modules as transformers does
+        (`peft_adapters.written_under_transformers_names`); PEFT's `PeftModel.from_pretrained` maps the keys it loads
+        with the base model's `_checkpoint_conversion_mapping` (transformers 5 models define none), so one mapping
+        them to AutoEP's names lets the adapter load back onto this model too."""
+        back = {}
+        for module, original in sorted(self.renamed_modules().items()):
+            if f"{module}.weight" in self.sources:  # the module LoRA adapts (the router's linear), not its parent
+                back[f"^{re.escape(original)}\\."] = f"{module}."
+        if back:
+            model._checkpoint_conversion_mapping = back
 
     def forget_accelerate_leaf_marks(self, model: torch.nn.Module) -> None:
         """accelerate's `deepspeed_moe_layer_cls_names` (`ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`) marks MoE blocks

@@ -13,7 +13,9 @@ parameters an adapter save writes; only those are gathered, and PEFT writes its 
 
 from __future__ import annotations
 
+import functools
 import sys
+from contextlib import contextmanager
 
 import torch
 
@@ -88,3 +90,41 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
     finally:
         agreement.close()
     return state if keep else None
+
+
+
+@contextmanager
+def written_under_transformers_names(model):
+    """PEFT's save of an adapter over an expert-parallel load: a LoRA on a module that an AutoEP layer holds under
+    another name than transformers' (its router's `gate` is transformers' `mlp.gate`) is written under transformers'
+    name, as the model's own save writes its weights. PEFT then loads the adapter onto the model without expert
+    parallelism; under AutoEP's names it would leave that LoRA out, with only a warning. (Onto an expert-parallel
+    load it loads through the key mapping `ExpertParallelLayout.convert` leaves on the model.) PEFT 0.21 selects the
+    adapter's tensors by its own module names, so the names change on the way to its files: in
+    `peft.peft_model.get_peft_model_state_dict`, for the duration of the save."""
+    layout = getattr(getattr(model.get_base_model(), "hf_zero3_load_report", None), "expert_parallel_layout", None)
+    renamed = layout.renamed_modules() if layout is not None else {}
+    if not renamed:
+        yield
+        return
+    import peft.peft_model as peft_model
+
+    prefix = "base_model.model."
+    owners = sorted(renamed, key=len, reverse=True)  # the innermost first
+
+    def in_transformers_names(key: str) -> str:
+        inner = key[len(prefix):] if key.startswith(prefix) else key
+        owner = next((m for m in owners if inner.startswith(m + ".")), None)
+        return key if owner is None else key[:len(key) - len(inner)] + renamed[owner] + inner[len(owner):]
+
+    original = peft_model.get_peft_model_state_dict
+
+    @functools.wraps(original)
+    def get_peft_model_state_dict(*args, **kwargs):
+        return {in_transformers_names(k): v for k, v in original(*args, **kwargs).items()}
+
+    peft_model.get_peft_model_state_dict = get_peft_model_state_dict
+    try:
+        yield
+    finally:
+        peft_model.get_peft_model_state_dict = original

@@ -167,6 +167,7 @@ class Zero3Load:
                 self.report.expert_parallel = layout.summary(plan)
                 self.report.expert_parallel_layout = layout
                 layout.forget_accelerate_leaf_marks(model)
+                layout.let_peft_load_adapters_in_transformers_names(model)
             self.report.plan = plan
             served = {}
             if self.stream is not None:  # the same plans the receiving ranks make for themselves

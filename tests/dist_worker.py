@@ -4,7 +4,8 @@ Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
 Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional),
 "checkpoint_roundtrip"(optional), "all_ranks_state"(optional), "save"(optional: {"dir", "kwargs", "reference"}),
 "load_again"(optional: a second model loaded the same way, kept while the first is gathered and trained),
-"callers_zero_init"(optional: {"dtype"}: the load inside the script's own `with deepspeed.zero.Init(...)`)}.
+"callers_zero_init"(optional: {"dtype"}: the load inside the script's own `with deepspeed.zero.Init(...)`),
+"peft_adapter"(optional: an adapter folder PEFT's `PeftModel.from_pretrained` loads over the model)}.
 Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
 the collectives each rank saw during the load (with "all_ranks_state", every rank's gathered state: under expert
 parallelism each rank gathers its own experts).
@@ -374,6 +375,21 @@ def run_case(case: dict) -> dict:
     result["config"] = model.config.to_dict()
     if model.can_generate():
         result["generation_config"] = model.generation_config.to_dict()
+    if case.get("peft_adapter"):  # a saved adapter loaded over the model by PEFT's own from_pretrained
+        import warnings as warnings_module
+
+        import deepspeed
+        from peft import PeftModel
+
+        with warnings_module.catch_warnings(record=True) as caught:
+            warnings_module.simplefilter("always")
+            peft_model = PeftModel.from_pretrained(model, case["peft_adapter"])
+        result["peft_warnings"] = [str(w.message) for w in caught]
+        result["adapter_loaded"] = {}
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                with deepspeed.zero.GatheredParameters([p]):
+                    result["adapter_loaded"][name] = p.detach().clone()
     if case.get("lora"):  # a PEFT LoRA adapter over the loaded model, added as TRL's `peft_config` adds it
         from peft import LoraConfig, get_peft_model
 

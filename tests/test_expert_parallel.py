@@ -468,3 +468,54 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
         errors = [r["initialize_error"] for r in dump["ranks"]]
         assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
         assert "added inside the expert-parallel experts" in errors[0]["message"], errors
+
+
+def test_a_router_adapter_saves_under_transformers_names_and_expert_lora_is_refused(workdir):
+    """PEFT (for transformers 5 MoE types) targets the router by `target_parameters=["gate.weight"]`: under EP that is
+    AutoEP's router linear (`mlp.router.gate`, also reachable as `mlp.gate.gate`). Its trained LoRA is written under
+    transformers' names (`mlp.gate.lora_A.weight`, what the plain ZeRO-3 run writes), so it loads onto the model
+    without EP, and back onto an EP load through the key mapping the load leaves on the model. Targets that name the
+    replaced experts (the experts' `gate_proj/up_proj/down_proj`, "all-linear": PEFT maps them to `gate_up_proj` and
+    `down_proj`, which AutoEP's experts do not have) would train without the expert LoRA, silently unlike the same
+    config without EP: refused at `deepspeed.initialize`, on every rank."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint(workdir, "qwen3_moe")
+    router = {"r": 4, "target_modules": ["q_proj"], "target_parameters": ["gate.weight"], "init_lora_weights": False}
+    saved = os.path.join(workdir, "ep_router_lora.pt")
+    cases = [{"name": "router lora", "path": path, "dtype": "bfloat16", "ds_config": ep_ds_config(2), "lora": router,
+              "train_steps": 2, "peft_save": True, "kwargs": {"experts_implementation": "eager"}, "out": saved}]
+    cases += [{**cases[0], "name": f"lora {name}", "lora": {"r": 4, "target_modules": targets}, "peft_save": False,
+               "train_steps": 1, "expect_initialize_error": True, "out": os.path.join(workdir, f"ep_lora_{i}.pt")}
+              for i, (name, targets) in enumerate((("all-linear", "all-linear"),
+                                                   ("llama list", ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])))]
+    router_run, *refused = run_torchrun(2, cases, workdir)
+    assert "error" not in router_run["rank0"], router_run["rank0"].get("error", {}).get("traceback")
+    for dump in refused:
+        for rank in dump["ranks"]:
+            error = rank["initialize_error"]
+            assert error["type"] == "ConfigError" and "target_parameters ['down_proj', 'gate_up_proj']" in error["message"]
+    adapter = saved + ".adapter"
+    written = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    trained = {n.replace(".default", "").replace("mlp.router.gate", "mlp.gate"): t
+               for n, t in router_run["rank0"]["adapter_trained"].items()}
+    assert sorted(written) == sorted(trained) and any("mlp.gate.lora_B" in n for n in written)
+    assert all(torch.equal(written[n], trained[n].to(written[n].dtype)) for n in written)
+    # onto the model without expert parallelism: every tensor in place, no missing key
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), adapter)
+    assert not [w for w in caught if "missing adapter keys" in str(w.message)]
+    loaded = {n.replace(".default", ""): p.detach() for n, p in plain.named_parameters() if ".lora_" in n}
+    assert sorted(loaded) == sorted(written) and all(torch.equal(loaded[n], written[n]) for n in written)
+    # back onto an expert-parallel load
+    [again] = run_torchrun(2, [{**cases[0], "name": "reload", "lora": None, "train_steps": 0, "peft_save": False,
+                                "peft_adapter": adapter, "out": os.path.join(workdir, "ep_router_reload.pt")}], workdir)
+    assert "error" not in again["rank0"], again["rank0"].get("error", {}).get("traceback")
+    back = {n.replace(".default", "").replace("mlp.router.gate", "mlp.gate"): t
+            for n, t in again["rank0"]["adapter_loaded"].items()}
+    assert sorted(back) == sorted(written) and all(torch.equal(back[n], written[n]) for n in written)

@@ -137,15 +137,16 @@ def _peft_save_pretrained(original):
     def save_pretrained(self, save_directory, *args, **kwargs):
         import torch.distributed as dist
 
-        from ..peft_adapters import adapter_state_dict, partitioned_peft_model
+        from ..peft_adapters import adapter_state_dict, partitioned_peft_model, written_under_transformers_names
 
-        if (kwargs.get("state_dict") is not None or not (dist.is_available() and dist.is_initialized())
-                or partitioned_peft_model(self) is None):
+        if (not (dist.is_available() and dist.is_initialized()) or partitioned_peft_model(self) is None):
             return original(self, save_directory, *args, **kwargs)
-        bound = signature.bind(self, save_directory, *args, **kwargs).arguments
-        state = adapter_state_dict(self, bound.get("selected_adapters"), bound.get("save_embedding_layers", "auto"),
-                                   on_every_rank=True)  # each rank writes where its is_main_process says
-        return original(self, save_directory, *args, state_dict=state, **kwargs)
+        if kwargs.get("state_dict") is None:
+            bound = signature.bind(self, save_directory, *args, **kwargs).arguments
+            kwargs["state_dict"] = adapter_state_dict(self, bound.get("selected_adapters"), bound.get(
+                "save_embedding_layers", "auto"), on_every_rank=True)  # each rank writes where its is_main_process says
+        with written_under_transformers_names(self):  # the Trainer's save (its state_dict given) too
+            return original(self, save_directory, *args, **kwargs)
 
     return save_pretrained
 
