@@ -99,8 +99,8 @@ def written_under_transformers_names(model):
     another name than transformers' (its router's `gate` is transformers' `mlp.gate`) is written under transformers'
     name, as the model's own save writes its weights. PEFT then loads the adapter onto the model without expert
     parallelism; under AutoEP's names it would leave that LoRA out, with only a warning. (Onto an expert-parallel
-    load it loads through the key mapping the load leaves on the model: `let_peft_load_adapters_in_transformers_names`.) PEFT 0.21 selects the
-    adapter's tensors by its own module names, so the names change on the way to its files: in
+    load it loads through the key mapping the load leaves: `let_peft_load_adapters_in_transformers_names`.) PEFT
+    0.21 selects the adapter's tensors by its own module names, so the names change on the way to its files: in
     `peft.peft_model.get_peft_model_state_dict`, for the duration of the save."""
     layout = getattr(getattr(model.get_base_model(), "hf_zero3_load_report", None), "expert_parallel_layout", None)
     renamed = layout.renamed_modules() if layout is not None else {}
