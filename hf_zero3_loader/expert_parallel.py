@@ -362,11 +362,6 @@ class ExpertParallelLayout:
         model_type = getattr(model.config, "model_type", None)
         if without_experts(model, request):
             return None
-        if request.engine_refuses:
-            raise ConfigError(f"DeepSpeed {ds_private.DEEPSPEED_VERSION_WRITTEN_AGAINST}'s engine does not support "
-                              f"expert parallelism (AutoEP) with ZeRO-3 under {', '.join(request.engine_refuses)}: "
-                              "deepspeed.initialize would refuse it after the load (engine-side AutoEP too), so the "
-                              "load refuses it first; drop the setting, or expert parallelism")
         families = supported_model_types()
         if model_type not in families and not structure_named(request.autoep_section):
             note = ds_private.autoep_note_for(model_type)  # e.g. a vision-language model: its text backbone has one
@@ -386,6 +381,11 @@ class ExpertParallelLayout:
                               + _layer_pattern_hint(model, section, autoep_config)) from e
         if not specs:
             raise ConfigError(f"DeepSpeed AutoEP found no MoE layer in this {model_type} model")
+        if request.engine_refuses:
+            raise ConfigError(f"DeepSpeed {ds_private.DEEPSPEED_VERSION_WRITTEN_AGAINST}'s engine does not support "
+                              f"expert parallelism (AutoEP) with ZeRO-3 under {', '.join(request.engine_refuses)}: "
+                              "deepspeed.initialize would refuse it after the load (engine-side AutoEP too), so the "
+                              "load refuses it first; drop the setting, or expert parallelism")
         for spec in specs:
             if spec.num_experts % request.ep_size:
                 sizes = [d for d in range(1, spec.num_experts + 1) if spec.num_experts % d == 0]
