@@ -172,6 +172,12 @@ def structure_named(section: dict) -> bool:
     return bool(section.get("preset_model") or section.get("moe_layer_pattern"))
 
 
+def loaded_layout(model: torch.nn.Module) -> "ExpertParallelLayout | None":
+    """The expert-parallel layout this loader built `model` with (under PEFT's wrapper too), or None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(getattr(base, "hf_zero3_load_report", None), "expert_parallel_layout", None)
+
+
 def parameters_in_loaded_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """Every parameter inside the experts of the AutoEP layers this loader built (wrappers and copies PEFT made of
     them included: a copied layer keeps the loader's mark), under its name in `model`."""
@@ -270,8 +276,7 @@ def refuse_adapter_targets_the_load_replaced(model: torch.nn.Module) -> None:
     adapter would train without the expert LoRA the same config trains without expert parallelism. Refused, on every
     rank alike (LoRA on the experts is not supported under EP: `refuse_parameters_added_to_experts`)."""
     configs, tuner = getattr(model, "peft_config", None), getattr(model, "base_model", None)
-    layout = next((m.hf_zero3_load_report.expert_parallel_layout for m in model.modules()
-                   if getattr(getattr(m, "hf_zero3_load_report", None), "expert_parallel_layout", None)), None)
+    layout = loaded_layout(model)
     if not isinstance(configs, dict) or layout is None:
         return
     targeted = list(getattr(tuner, "targeted_parameter_names", None) or [])  # PEFT's names: the unwrapped model's

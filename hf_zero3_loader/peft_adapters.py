@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from .errors import ConfigError
-from .expert_parallel import parameters_in_loaded_experts
+from .expert_parallel import loaded_layout, parameters_in_loaded_experts
 
 
 def partitioned_peft_model(model: torch.nn.Module):
@@ -102,7 +102,7 @@ def written_under_transformers_names(model):
     load it loads through the key mapping the load leaves: `let_peft_load_adapters_in_transformers_names`.) PEFT
     0.21 selects the adapter's tensors by its own module names, so the names change on the way to its files: in
     `peft.peft_model.get_peft_model_state_dict`, for the duration of the save."""
-    layout = getattr(getattr(model.get_base_model(), "hf_zero3_load_report", None), "expert_parallel_layout", None)
+    layout = loaded_layout(model)
     renamed = layout.renamed_modules() if layout is not None else {}
     if not renamed:
         yield

@@ -40,6 +40,7 @@ from .agreement import Agreement
 from .checkpoint import INDEX_NAMES, Checkpoint, PlannedFile, plan_safetensors_file
 from .deepspeed_setup import local_device
 from .errors import CheckpointError, ConfigError, LoaderError
+from .expert_parallel import loaded_layout
 from .gc_pause import paused_gc
 from .planner.plan import (LoadPlan, PartitionGroup, SourceBox, check_plan_is_exact, model_tensors, plan_tensors,
                            resolve_checkpoint)
@@ -393,7 +394,7 @@ class _Save:
         self.chunk_bytes, self.staging_bytes = chunk_bytes, staging_bytes
         self.extra_files, self.refused = extra_files, refused
         self.threads = default_io_threads() if write_threads is None else write_threads
-        self.layout = getattr(getattr(module, "hf_zero3_load_report", None), "expert_parallel_layout", None)
+        self.layout = loaded_layout(module)
         self.temp: str | None = None  # the writer's temporary folder, until published
 
     def run(self) -> None:
