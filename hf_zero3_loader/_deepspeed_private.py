@@ -35,6 +35,10 @@ partition (`ds_tensor`) and its group without a gather; `autoep_layer_class` tel
 Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_expert_parallel` does it:
 - `utils.groups._create_expert_and_data_parallel` makes the EP / expert-data-parallel (EDP) groups (idempotent: a
   group name that exists is kept, so the engine later finds ours);
+- the parameters AutoEP builds besides the experts (the routers) are partitioned over
+  `utils.groups._get_sequence_data_parallel_group()`, the group the engine gives the ones it builds
+  (`DeepSpeedEngine._resolve_zero3_param_placement`), so the optimizer's sub-groups, and the checkpoints that record
+  them, are engine-side AutoEP's;
 - `module_inject.auto_ep.AutoEP(model, cfg).ep_parser()` / `replace_moe_layers(...)` swap transformers' MoE blocks for
   `AutoEPMoELayer`s; under a meta device nothing is allocated or gathered;
 - `DeepSpeedEngine._configure_expert_parallel` is wrapped so that a model whose MoE blocks we already replaced is not
@@ -321,6 +325,18 @@ def expert_parallel_groups(ep_size: int, data_before_expert: bool):
                                             use_data_before_expert_parallel_=data_before_expert)
     name = f"ep_size_{ep_size}"
     return groups._get_expert_parallel_group(name), groups._get_expert_data_parallel_group(name), name
+
+
+def engine_replicated_group():
+    """The group `deepspeed.initialize` partitions a parameter over that AutoEP created and no `zero.Init` converted
+    (`DeepSpeedEngine._resolve_zero3_param_placement`: the "replicated" family goes to `seq_data_parallel_group`,
+    `groups._get_sequence_data_parallel_group()`; with no `mpu` a clone of the world, made once and cached). Same
+    ranks as the world, another group object: ZeRO-3's optimizer makes a sub-group per group object, and a DeepSpeed
+    checkpoint records the sub-groups, so the load partitions the routers it builds over this one, as the engine
+    does for the routers it builds (a collective the first time: every rank calls it, at the load)."""
+    from deepspeed.utils import groups
+
+    return groups._get_sequence_data_parallel_group()
 
 
 def detect_moe_layers(model: torch.nn.Module, autoep_config) -> list:

@@ -147,6 +147,9 @@ class ExpertParallelGroups:
     ep_rank: int
     edp_group: object  # torch.distributed ProcessGroup the experts are partitioned over
     edp_name: str  # the PartitionGroup name of expert parameters
+    # the ProcessGroup (the world's ranks) of the other parameters AutoEP builds: the routers
+    built_group: object = None
+    built_name: str = "autoep_built"
 
 
 def create_groups(request: ExpertParallelRequest, ds_config: dict) -> ExpertParallelGroups:
@@ -156,7 +159,8 @@ def create_groups(request: ExpertParallelRequest, ds_config: dict) -> ExpertPara
 
     data_before_expert = ds_private.use_data_before_expert_parallel(ds_config)
     ep_group, edp_group, name = ds_private.expert_parallel_groups(request.ep_size, data_before_expert)
-    return ExpertParallelGroups(request.ep_size, dist.get_rank(group=ep_group), edp_group, f"expert_data_parallel/{name}")
+    return ExpertParallelGroups(request.ep_size, dist.get_rank(group=ep_group), edp_group,
+                                f"expert_data_parallel/{name}", built_group=ds_private.engine_replicated_group())
 
 
 def supported_model_types() -> dict[str, str]:
@@ -354,6 +358,9 @@ class ExpertParallelLayout:
     renames: dict[str, SourceBox] = field(default_factory=dict)
     boxes_by_ep_rank: dict[int, dict[str, SourceBox]] = field(default_factory=dict)
     expert_params: set[str] = field(default_factory=set)
+    # the other parameters AutoEP builds (the routers; not the modules it keeps, e.g. shared experts): partitioned
+    # over the group the engine gives the ones it builds (`ExpertParallelGroups.built_group`)
+    built_params: set[str] = field(default_factory=set)
     new_buffers: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # AutoEP's own zero buffers
     layers: list[str] = field(default_factory=list)
     replaced_classes: set[str] = field(default_factory=set)  # the MoE block classes AutoEP layers took the place of
@@ -398,7 +405,10 @@ class ExpertParallelLayout:
                                   f"{request.ep_size} does not divide (sizes that do: {sizes})")
         layout = cls(groups, layers=[s.moe_module_name for s in specs], num_experts=specs[0].num_experts)
         layout.local_experts = ds_private.local_expert_range(layout.num_experts, request.ep_size, groups.ep_rank)
-        names_before = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+        # the tensors themselves are held until the end: an id is only an identity while its object lives, and the
+        # replacement frees the MoE blocks' tensors, whose ids AutoEP's new ones can then take
+        tensors_before = model.state_dict(keep_vars=True)
+        names_before = {id(t): n for n, t in tensors_before.items()}
         for ep_rank in range(request.ep_size):
             local = ds_private.local_expert_range(layout.num_experts, request.ep_size, ep_rank)
             layout.boxes_by_ep_rank[ep_rank] = {k: v for spec in specs for k, v in layout._boxes_for(model, spec, local).items()}
@@ -413,10 +423,13 @@ class ExpertParallelLayout:
             setattr(layer, ds_private.BUILT_BY_LOADER, True)
             setattr(layer, BUILT_WITH, section)
             layout.expert_params.update(f"{name}.experts.{p}" for p, _ in layer.experts.named_parameters())
+            layout.built_params.update(f"{name}.{p}" for p, t in layer.named_parameters()
+                                       if id(t) not in names_before and not p.startswith("experts."))
             layout.new_buffers.extend((layer, b) for b, _ in layer.named_buffers(recurse=False))
         for name, tensor in model.state_dict(keep_vars=True).items():
             if name not in boxes and names_before.get(id(tensor), name) != name:  # a module kept under a new name
                 layout.renames[name] = SourceBox(names_before[id(tensor)])
+        del tensors_before
         layout.sources = layout.sources_for(groups.ep_rank)
         ds_private.let_engine_accept_replaced_layers(check=check_at_initialize)
         return layout
@@ -458,7 +471,10 @@ class ExpertParallelLayout:
         return boxes
 
     def group_of(self, world: PartitionGroup, experts: PartitionGroup):
-        return lambda name: experts if name in self.expert_params else world
+        """A parameter's group for the rank whose world group is `world`: experts over their expert-data-parallel
+        group, the routers AutoEP built over the world's ranks as their own group (as the engine places them)."""
+        built = PartitionGroup(self.groups.built_name, world.size, world.rank)
+        return lambda name: experts if name in self.expert_params else built if name in self.built_params else world
 
     def check_loaded(self, plan: LoadPlan) -> None:
         """Every tensor AutoEP derives from the checkpoint must be in it: a missing expert would be initialised

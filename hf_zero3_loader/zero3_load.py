@@ -147,6 +147,7 @@ class Zero3Load:
                     self.report.init_context, self.report.reason = "zero3-meta", f"{self.report.reason}; no experts"
                 else:
                     experts = partitioner.add_group(groups.edp_name, groups.edp_group)
+                    partitioner.add_group(groups.built_name, groups.built_group)
             if not load_config.ignore_mismatched_sizes:
                 self._refuse_incomplete_inputs(resolution)
 

@@ -416,6 +416,7 @@ def run_case(case: dict) -> dict:
         seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently
         result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size, seed,
                                         case.get("seq_len", 12))
+        result["partition_groups"] = partition_groups(model)
         if case.get("peft_save"):  # PEFT's own save_pretrained of the trained adapter, on every rank (an on_save callback)
             import deepspeed
 
@@ -477,6 +478,22 @@ def save_case(case: dict, target, model, result: dict) -> None:
     layout = model.hf_zero3_load_report.expert_parallel_layout
     if spec.get("reference") and layout is None and dist.get_rank() == 0:
         save_reference(model, result["trained_state"], spec["dir"] + ".reference", spec.get("kwargs", {}))
+
+
+def partition_groups(model) -> dict:
+    """The process group each ZeRO-3 parameter is partitioned over, by what it is: the world, DeepSpeed's
+    data-parallel group (its clone of the world), or its ranks. The optimizer makes a sub-group per group object, and
+    a DeepSpeed checkpoint records them."""
+    from deepspeed.utils import groups
+
+    def label(group) -> str:
+        if group is dist.group.WORLD:
+            return "world"
+        if group is groups._WORLD_GROUP:
+            return "data parallel"
+        return f"ranks {dist.get_process_group_ranks(group)}"
+
+    return {n: label(p.ds_process_group) for n, p in model.named_parameters() if hasattr(p, "ds_process_group")}
 
 
 def save_reference(model, state: dict, folder: str, kwargs: dict) -> None:

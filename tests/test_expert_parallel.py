@@ -392,6 +392,12 @@ def test_a_task_head_and_a_bare_body_load_with_expert_parallelism_as_their_seede
     for dump in (ours, engine_side):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
     assert len(ours["rank0"]["losses"]) == 3 and ours["rank0"]["losses"] == engine_side["rank0"]["losses"]
+    # the routers AutoEP builds are partitioned over the engine's data-parallel group, as the engine partitions its
+    # own (so the optimizer's sub-groups, and DeepSpeed checkpoints, are engine-side AutoEP's)
+    groups = ours["rank0"]["partition_groups"]
+    assert groups == engine_side["rank0"]["partition_groups"]
+    assert {n for n, g in groups.items() if g == "data parallel"} == {f"model.layers.{i}.mlp.router.gate.weight"
+                                                                     for i in range(2)}, groups
     for case, dump in zip(cases[:2], dumps_):
         assert_autoep_layout_of(plain_load(path, "bfloat16", case["model_class"], seed=11), dump, case["name"])
     assert "score.weight" in plain_load(path, "bfloat16", "AutoModelForSequenceClassification", seed=11)

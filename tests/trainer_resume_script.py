@@ -54,6 +54,7 @@ trainer.train(resume_from_checkpoint=run_dir + "_first/checkpoint-2" if mode == 
 if trainer.is_world_process_zero():
     with open(out, "w") as f:
         json.dump({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                   "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
                    "expert_parallel_loads": expert_parallel_loads,
                    "checkpoints": {c: sorted(os.listdir(os.path.join(args.output_dir, c)))
                                    for c in os.listdir(args.output_dir) if c.startswith("checkpoint-")}}, f)
