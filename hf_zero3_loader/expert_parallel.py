@@ -1,13 +1,14 @@
 """Expert parallelism with ZeRO-3: load straight into DeepSpeed AutoEP's layout, each rank reading its local experts.
 
 Under expert parallelism (EP) each rank owns `num_experts / ep_size` experts of every MoE layer; ZeRO-3 partitions
-those over the rank's expert-data-parallel (EDP) group, every other parameter over the world. DeepSpeed's AutoEP
+those over the rank's expert-data-parallel (EDP) group, every other parameter over the world (the routers AutoEP
+builds over DeepSpeed's data-parallel group: the same ranks, as the engine places them). DeepSpeed's AutoEP
 builds that layout at `deepspeed.initialize`, after transformers has built (and broadcast) every expert tensor whole,
 by gathering each layer's fused experts on every rank. Here it is built on the meta skeleton instead:
 
 1. `request_from(...)`: the ways users ask for EP (the DeepSpeed config's `expert_parallel` section, `ep_size=`,
    transformers' `distributed_config=`) become one `ExpertParallelRequest`; `create_groups` makes the EP / EDP
-   groups the way the engine does, on every rank, before anything else runs.
+   groups, and DeepSpeed's data-parallel group, the way the engine does, on every rank, before anything else runs.
 2. `ExpertParallelLayout.convert(...)`: AutoEP's own detection and replacement run on the meta skeleton, after the
    planner resolved the checkpoint against transformers' module names. Each new tensor is mapped back to what it is
    a box of: `experts.w1` = `gate_up_proj[local experts, :ffn]`, `experts.w3` = `gate_up_proj[local experts, ffn:]`,
