@@ -487,7 +487,7 @@ def partition_groups(model) -> dict:
     from deepspeed.utils import groups
 
     def label(group) -> str:
-        if group is dist.group.WORLD:
+        if group is None or group is dist.group.WORLD:
             return "world"
         if group is groups._WORLD_GROUP:
             return "data parallel"
