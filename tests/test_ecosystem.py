@@ -94,9 +94,10 @@ def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, 
     second time at `beta` 0.1): completions sampled under ZeRO-3 with the parameters gathered for generation (each
     rank its own prompts, ranks kept in step by transformers' `synced_gpus`), then scored and trained on. Every logged
     number (losses, gradient norms, rewards, completion lengths, KL to the reference, entropy) equals the plain
-    path's, under ZeRO-3 and under ZeRO-3 + EP against engine-side AutoEP. Sampling draws from the global RNG after `deepspeed.initialize`:
-    engine-side AutoEP draws there for each router it builds, which the loader's layers, built at the load, had not;
-    the loader makes the same draws (before that, the EP run sampled other completions from the first step)."""
+    path's, under ZeRO-3 and under ZeRO-3 + EP against engine-side AutoEP. Sampling draws from the global RNG after
+    `deepspeed.initialize`: engine-side AutoEP draws there for each router it builds, which the loader's layers,
+    built at the load, had not; the loader makes the same draws (before that, the EP run sampled other completions
+    from the first step)."""
     tag = mode.replace(" ", "_")
     config = _ds_config_file(workdir, f"trl_grpo_{tag}", mode == "expert parallel")
     path = _ep_moe_with_tokenizer(workdir)
