@@ -92,7 +92,6 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
     return state if keep else None
 
 
-
 @contextmanager
 def written_under_transformers_names(model):
     """PEFT's save of an adapter over an expert-parallel load: a LoRA on a module that an AutoEP layer holds under

@@ -484,6 +484,8 @@ def test_a_router_adapter_saves_under_transformers_names_and_expert_lora_is_refu
     replaced experts (the experts' `gate_proj/up_proj/down_proj`, "all-linear": PEFT maps them to `gate_up_proj` and
     `down_proj`, which AutoEP's experts do not have) would train without the expert LoRA, silently unlike the same
     config without EP: refused at `deepspeed.initialize`, on every rank."""
+    import warnings
+
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -510,8 +512,6 @@ def test_a_router_adapter_saves_under_transformers_names_and_expert_lora_is_refu
     assert sorted(written) == sorted(trained) and any("mlp.gate.lora_B" in n for n in written)
     assert all(torch.equal(written[n], trained[n].to(written[n].dtype)) for n in written)
     # onto the model without expert parallelism: every tensor in place, no missing key
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), adapter)
