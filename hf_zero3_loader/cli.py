@@ -134,6 +134,30 @@ def _load_kwargs(args) -> dict:
     return kwargs
 
 
+# where --model-class is not given: the first of these that builds the architecture the checkpoint's config names
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForSeq2SeqLM",
+                 "AutoModelForSpeechSeq2Seq", "AutoModelForSequenceClassification", "AutoModelForMaskedLM")
+
+
+def _model_class_name(args) -> str:
+    """--model-class, or the auto class of the architecture the config names (a vision-language model:
+    AutoModelForImageTextToText); AutoModelForCausalLM where none matches."""
+    if args.model_class:
+        return args.model_class
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(args.checkpoint, **_load_kwargs(args))
+    except (OSError, ValueError):  # the load itself reports what is wrong with the folder
+        return "AutoModelForCausalLM"
+    named = (getattr(config, "architectures", None) or [None])[0]
+    for name in _AUTO_CLASSES:
+        built = getattr(transformers, name)._model_mapping._model_mapping.get(config.model_type)
+        if named is not None and named in (built if isinstance(built, tuple) else (built,)):
+            return name
+    return "AutoModelForCausalLM"
+
+
 def _gib(nbytes: int) -> str:
     from .log import size
 
@@ -148,8 +172,9 @@ def _plan(args) -> int:
         with open(args.ds_config) as f:
             ds_config = json.load(f)
     with contextlib.redirect_stdout(sys.stderr):  # libraries' import-time notices must not mix into --json output
+        model_class = _model_class_name(args)
         report = plan_report(args.checkpoint, args.world_size, args.ep_size, ds_config, args.device_memory,
-                             args.device, getattr(transformers, args.model_class), load_kwargs=_load_kwargs(args))
+                             args.device, getattr(transformers, model_class), load_kwargs=_load_kwargs(args))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -179,7 +204,7 @@ def _plan(args) -> int:
         print(f"warning: {w}")
     if args.verbose:
         plans = __import__("hf_zero3_loader.planner.inspect", fromlist=["plan_ranks"]).plan_ranks(
-            args.checkpoint, args.world_size, ranks=[args.rank], model_class=getattr(transformers, args.model_class),
+            args.checkpoint, args.world_size, ranks=[args.rank], model_class=getattr(transformers, model_class),
             ep_size=report["ep_size"] if report["ep_size"] > 1 else args.ep_size, load_kwargs=_load_kwargs(args),
             expert_parallel=(ds_config or {}).get("expert_parallel"))
         for tp in plans[0].tensors.values():
@@ -195,7 +220,7 @@ def _verify(args) -> int:
         return 2
 
     with contextlib.redirect_stdout(sys.stderr):
-        report = launch(args.checkpoint, args.world_size, args.dtype, args.model_class, args.ep_size,
+        report = launch(args.checkpoint, args.world_size, args.dtype, _model_class_name(args), args.ep_size,
                         load_kwargs=_load_kwargs(args),
                         expert_parallel=json.loads(args.expert_parallel) if args.expert_parallel else None,
                         keep_in_fp32=args.keep_in_fp32)
@@ -236,7 +261,9 @@ def main(argv=None) -> int:
     plan.add_argument("--ds-config", help="DeepSpeed config JSON (dtype, offload); default ZeRO-3 bf16")
     plan.add_argument("--device-memory", type=float, default=None, help="GiB per device: does training fit?")
     plan.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where partitions live")
-    plan.add_argument("--model-class", default="AutoModelForCausalLM")
+    plan.add_argument("--model-class", default=None,
+                      help="transformers auto class (default: the one that builds the config's architecture, "
+                           "else AutoModelForCausalLM)")
     plan.add_argument("--rank", type=int, default=0, help="rank whose tensors --verbose lists")
     plan.add_argument("--verbose", action="store_true")
     plan.add_argument("--json", action="store_true")
@@ -249,7 +276,9 @@ def main(argv=None) -> int:
     verify.add_argument("--expert-parallel", default=None,
                         help='JSON: more of DeepSpeed\'s expert_parallel section, e.g. \'{"preset_model": "qwen3_moe"}\' '
                              "for a model type without an AutoEP preset")
-    verify.add_argument("--model-class", default="AutoModelForCausalLM")
+    verify.add_argument("--model-class", default=None,
+                      help="transformers auto class (default: the one that builds the config's architecture, "
+                           "else AutoModelForCausalLM)")
     verify.add_argument("--keep-in-fp32", action="store_true",
                         help="load with keep_in_fp32=True: parameters the plain load keeps in fp32 stay in fp32")
     verify.add_argument("--json", action="store_true")

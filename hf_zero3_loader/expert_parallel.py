@@ -348,6 +348,16 @@ def _layer_pattern_hint(model: torch.nn.Module, section: dict, autoep_config) ->
     return ""
 
 
+def _top_k_hint(model: torch.nn.Module, error: ValueError) -> str:
+    """AutoEP reads top_k from the model's top-level config (DeepSpeed: "Set model.config.num_experts_per_tok or
+    config top_k"); a vision-language model (Qwen3-VL-MoE) keeps it in its text config, whose value the error names."""
+    attr = re.search(r"top_k .*model\.config\.(\w+)", str(error))
+    top_k = attr and getattr(model.config.get_text_config(), attr[1], None)
+    if not isinstance(top_k, int):
+        return ""
+    return f" Its text config holds {attr[1]}={top_k}: name it in the config, expert_parallel.top_k: {top_k}"
+
+
 @dataclass
 class ExpertParallelLayout:
     """The skeleton's MoE blocks replaced by AutoEP layers, and where every new tensor's bytes come from."""
@@ -391,7 +401,7 @@ class ExpertParallelLayout:
             specs = ds_private.detect_moe_layers(model, autoep_config)
         except ValueError as e:
             raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}"
-                              + _layer_pattern_hint(model, section, autoep_config)) from e
+                              + _layer_pattern_hint(model, section, autoep_config) + _top_k_hint(model, e)) from e
         if not specs:
             raise ConfigError(f"DeepSpeed AutoEP found no MoE layer in this {model_type} model")
         if request.engine_refuses:

@@ -284,7 +284,9 @@ def run_missing(args, rng) -> list[str]:
 def run_ep(args, rng) -> list[str]:
     import torch
 
-    from tests.checkpoints import EP_FAMILIES, EP_NAMED_STRUCTURE, ep_config
+    import transformers
+
+    from tests.checkpoints import EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, ep_config
     from tests.conftest import run_nodes, run_torchrun
     from tests.test_expert_parallel import ep_ds_config, expected, plain_fp32_params, plain_load
 
@@ -299,9 +301,12 @@ def run_ep(args, rng) -> list[str]:
     cases = []
     for i in range(args.cases):
         family = rng.choice(families)
+        # the family's own class (a vision-language model's) unless --model-class asks for another
+        model_class = (EP_MODEL_CLASS.get(family, args.model_class) if args.model_class == "AutoModelForCausalLM"
+                       else args.model_class)
         config = ep_config(family)
         text = getattr(config, "text_config", None) or config
-        experts = rng.choice([4, 8])
+        experts = rng.choice([4, 6, 8, 12])  # 6 and 12 split over 3 (and 6) ranks too
         for key in ("num_experts", "n_routed_experts", "num_local_experts"):
             if getattr(text, key, None) is not None:
                 setattr(text, key, experts)
@@ -309,14 +314,14 @@ def run_ep(args, rng) -> list[str]:
                              ("shared_expert_intermediate_size", [9, 14]), ("vocab_size", [89, 130])):
             if getattr(text, key, None) is not None:
                 setattr(text, key, rng.choice(choices))
-        ep = rng.choice([e for e in (1, 2, 4) if args.world_size % e == 0 and experts % e == 0])
+        ep = rng.choice([e for e in (1, 2, 3, 4, 6) if args.world_size % e == 0 and experts % e == 0])
         dtype = rng.choice([torch.bfloat16, torch.float32])
         path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
-                            rng.choice(["10GB", "9KB"]))
+                            rng.choice(["10GB", "9KB"]), getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM")))
         case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
                 "dtype": "bfloat16", "all_ranks_state": True,
-                "ds_config": ep_ds_config(ep, "bfloat16", family, _ep_structure(family, config, args)),
-                "model_class": args.model_class, "seed": 11,  # a new head: drawn as the seeded plain load draws it
+                "ds_config": ep_ds_config(ep, "bfloat16", family, _ep_structure(family, config, model_class)),
+                "model_class": model_class, "seed": 11,  # a new head: drawn as the seeded plain load draws it
                 "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")}
         if args.stream:  # one rank per "node", only node 0 with the files: the others receive their expert shares
             chunk = rng.choice([256, 4096, 1 << 20])
@@ -336,8 +341,8 @@ def run_ep(args, rng) -> list[str]:
     for case, dump in zip(cases, dumps):
         if args.stream and not any(r.get("report", {}).get("stream", {}).get("bytes_received") for r in dump["ranks"]):
             failures.append(f"{case['name']}: nothing was streamed")
-        plain, covered = plain_load(case["path"], "bfloat16", args.model_class, case["seed"]), set()
-        kept_in_fp32 = plain_fp32_params(case["path"], "bfloat16", args.model_class, case["seed"])
+        plain, covered = plain_load(case["path"], "bfloat16", case["model_class"], case["seed"]), set()
+        kept_in_fp32 = plain_fp32_params(case["path"], "bfloat16", case["model_class"], case["seed"])
         for r in dump["ranks"]:
             if "error" in r:
                 failures.append(f"{case['name']}: {r['error']['type']}: {r['error']['message'][:200]}")
@@ -390,11 +395,11 @@ def _ep_save_failure(case: dict, dump: dict, kept_in_fp32: frozenset) -> str | N
     return None
 
 
-def _ep_structure(family: str, config, args) -> dict:
+def _ep_structure(family: str, config, model_class: str) -> dict:
     """What the AutoEP section names for `family`: its named structure (tests.checkpoints.EP_NAMED_STRUCTURE), and
-    where --model-class holds the layers elsewhere than the presets' `model.layers.N` (a bare body: `layers.N`;
-    Qwen3-MoE's QA head: `transformer.layers.N`), the preset's MoE layer pattern there, as a user names it (DeepSpeed
-    applies the pattern over the preset it detects)."""
+    where `model_class` holds the layers elsewhere than that pattern says (the presets' `model.layers.N`; a bare
+    body: `layers.N`; Qwen3-MoE's QA head: `transformer.layers.N`; Qwen3-VL-MoE's bare body: `language_model.layers.N`),
+    the MoE layer pattern there, as a user names it (DeepSpeed applies the pattern over the preset it detects)."""
     import torch
     import transformers
     from deepspeed.module_inject.auto_ep_presets import registry
@@ -403,12 +408,12 @@ def _ep_structure(family: str, config, args) -> dict:
 
     structure = dict(EP_NAMED_STRUCTURE.get(family, {}))
     with torch.device("meta"):
-        model = getattr(transformers, args.model_class).from_config(config)
+        model = getattr(transformers, model_class).from_config(config)
     (body,) = {m[1] for name, _ in model.named_modules() if (m := re.fullmatch(r"(.*?)layers\.0", name))}
-    if body != "model.":
-        preset = structure.get("preset_model") or registry.preset_name_for_hf_model_type(family)
-        pattern = structure.get("moe_layer_pattern") or registry.get_preset(preset).moe_layer_pattern
-        structure["moe_layer_pattern"] = re.escape(body) + pattern.removeprefix(r"model\.")
+    preset = structure.get("preset_model") or registry.preset_name_for_hf_model_type(family)
+    pattern = structure.get("moe_layer_pattern") or registry.get_preset(preset).moe_layer_pattern
+    if not re.fullmatch(pattern.split(r"layers\.")[0], body):
+        structure["moe_layer_pattern"] = re.escape(body) + r"layers\." + pattern.split(r"layers\.", 1)[1]
     return structure
 
 

@@ -52,7 +52,15 @@ FEATURED = {
     "qwen3_vl_moe": ("Qwen3-VL-MoE", "qwen3_vl_moe.md", [
         "**On disk**: released checkpoints store fused experts transposed (`gate_up_proj [E, H, 2I]`); transformers maps "
         "them with `Transpose(1, 2, check_dims=True)`, which transposes only when the disk shape differs from the "
-        "model's. The check uses the model's true shape; a transpose of the last dimension becomes strided reads.",
+        "model's. The check uses the model's true shape; a transpose of the last dimension becomes strided reads. "
+        "transformers' own ZeRO-3 load (5.24) does not apply it: `size mismatch for ...mlp.experts.gate_up_proj`, "
+        "raised on rank 0 only, while the other ranks finish the load and go on.",
+        "**Expert parallelism**: DeepSpeed 0.19.8 has no AutoEP preset for it; the config names the Qwen3-MoE preset, "
+        "the language model's MoE layers and `top_k` (AutoEP reads `num_experts_per_tok` from the top-level config, "
+        "where this model has none): `\"expert_parallel\": {\"autoep_size\": 2, \"preset_model\": \"qwen3_moe\", "
+        "\"moe_layer_pattern\": \"model\\\\.language_model\\\\.layers\\\\.\\\\d+\\\\.mlp\", \"top_k\": 8}` "
+        "(8: Qwen3-VL-30B-A3B's `text_config.num_experts_per_tok`). Without `top_k`, a `ConfigError` on every rank "
+        "says so. The vision tower is dense and partitioned over the world.",
     ]),
     "qwen2_moe": ("Qwen2-MoE", "qwen2_moe.md", [
         "**On disk**: per-expert tensors, a shared expert `mlp.shared_expert.*` and its gate `mlp.shared_expert_gate`.",

@@ -133,7 +133,13 @@ OLMOE_EP_PATTERNS = {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "num_exper
 EP_NAMED_STRUCTURE = {"olmoe": {"preset_model": "qwen3_moe"}, "glm4_moe": {"preset_model": "deepseek_v3"},
                       "minimax_m2": {"preset_model": "minimax_m3"},
                       "granitemoe": {"moe_layer_pattern": r"model\.layers\.\d+\.block_sparse_moe",
-                                     "router_pattern": "router", "num_experts_attr": "num_local_experts"}}
+                                     "router_pattern": "router", "num_experts_attr": "num_local_experts"},
+                      # a vision-language model: its MoE layers are the language model's, and AutoEP reads top_k from
+                      # the top-level config, where Qwen3-VL-MoE has none (its text_config does)
+                      "qwen3_vl_moe": {"preset_model": "qwen3_moe",
+                                       "moe_layer_pattern": r"model\.language_model\.layers\.\d+\.mlp", "top_k": 2}}
+# the auto class of an expert-parallel family that is not a causal LM
+EP_MODEL_CLASS = {"qwen3_vl_moe": "AutoModelForImageTextToText"}
 
 
 def ep_config(family: str):
@@ -172,6 +178,12 @@ def ep_config(family: str):
     if family == "granitemoe":
         return T.GraniteMoeConfig(**common, hidden_size=28, intermediate_size=11, num_local_experts=6, bos_token_id=1,
                                   eos_token_id=2, pad_token_id=0)
+    if family == "qwen3_vl_moe":  # saved in the released layout (experts transposed), a vision tower beside
+        text = dict(common, hidden_size=27, head_dim=10, intermediate_size=22, moe_intermediate_size=11, num_experts=6,
+                    decoder_sparse_step=1, rope_scaling={"rope_type": "default", "mrope_section": [1, 2, 2]})
+        return T.Qwen3VLMoeConfig(text_config=text, tie_word_embeddings=False, vision_config=dict(
+            depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=27, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0]))
     if family == "minimax_m3_vl_text":
         return T.MiniMaxM3VLTextConfig(**common, hidden_size=27, head_dim=10, rotary_dim=10, intermediate_size=11,
                                        dense_intermediate_size=22, shared_intermediate_size=13, num_local_experts=6,

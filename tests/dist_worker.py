@@ -414,7 +414,7 @@ def run_case(case: dict) -> dict:
             result["initialize_error"] = {"type": type(e).__name__, "message": str(e)}
             return result
         seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently
-        result["losses"] = train_losses(engine, case["train_steps"], model.config.vocab_size, seed,
+        result["losses"] = train_losses(engine, case["train_steps"], model.config.get_text_config().vocab_size, seed,
                                         case.get("seq_len", 12))
         result["partition_groups"] = partition_groups(model)
         if case.get("peft_save"):  # PEFT's own save_pretrained of the trained adapter, on every rank (an on_save callback)
@@ -433,7 +433,7 @@ def run_case(case: dict) -> dict:
             finally:
                 saving_hooks.uninstall()
         if case.get("checkpoint_roundtrip"):
-            result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.vocab_size)
+            result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.get_text_config().vocab_size)
     if case.get("generate"):  # each rank asks for a different length: generate must keep the ranks in step
         engine = engine if case.get("train_steps") else initialize(model, ds_config, result)
         engine.module.eval()

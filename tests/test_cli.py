@@ -163,6 +163,31 @@ def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_au
     assert report["ok"] and report["ep_size"] == 2 and not report["problems"], report
 
 
+def test_plan_and_verify_pick_a_vision_language_models_own_auto_class(workdir):
+    """A Qwen3-VL-MoE checkpoint (its config names `Qwen3VLMoeForConditionalGeneration`, which no causal-LM class
+    builds): without --model-class, `plan` and `verify` load it through `AutoModelForImageTextToText`, and take EP
+    from the structure the config names (its language model's layers, its top_k)."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.checkpoints import EP_NAMED_STRUCTURE
+
+    path = make_checkpoint(os.path.join(workdir, "ep_qwen3_vl_moe"), "qwen3_vl_moe", config=ep_config("qwen3_vl_moe"),
+                           model_class=AutoModelForImageTextToText)
+    config = os.path.join(workdir, "ds_qwen3_vl_moe.json")
+    with open(config, "w") as f:
+        json.dump({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                   "expert_parallel": {"enabled": True, "autoep_size": 2, **EP_NAMED_STRUCTURE["qwen3_vl_moe"]}}, f)
+    result = _cli("plan", path, "--world-size", "2", "--ds-config", config, "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["model_type"] == "qwen3_vl_moe" and report["ep_size"] == 2
+    result = _cli("verify", path, "--world-size", "2", "--ep-size", "2", "--expert-parallel",
+                  json.dumps(EP_NAMED_STRUCTURE["qwen3_vl_moe"]), "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["ep_size"] == 2 and not report["problems"], report
+
+
 def test_plan_takes_a_dense_model_under_a_config_with_expert_parallelism_as_the_load_does(workdir):
     """A MoE run's config (`expert_parallel` enabled) given for a dense model: the load loads it as plain ZeRO-3, and
     so `plan` plans it, saying why; EP asked of the plan itself (`--ep-size`) is refused, as by a load."""

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.checkpoints import make_checkpoint, rewrite_checkpoint
+from tests.checkpoints import ep_config, make_checkpoint, rewrite_checkpoint
 from tests.conftest import run_ranks, run_torchrun
 from tests.dist_worker import ds_config_for
 from tests.families import head_checkpoint
@@ -94,6 +94,8 @@ def _set(path_in_header, value):
 
 @pytest.fixture(scope="module")
 def bad(workdir):
+    from transformers import AutoModelForImageTextToText
+
     d = lambda name: os.path.join(workdir, "bad", name)  # noqa: E731
     os.makedirs(d(""), exist_ok=True)
     single = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
@@ -181,6 +183,8 @@ def bad(workdir):
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
         "qwen3_5_moe_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen3_5_moe"),
+        "qwen3_vl_moe": make_checkpoint(os.path.join(workdir, "qwen3_vl_moe"), "qwen3_vl_moe",
+                                        config=ep_config("qwen3_vl_moe"), model_class=AutoModelForImageTextToText),
         "no_experts": rewrite_checkpoint(single, d("no_experts"), lambda t: {
             k: v for k, v in t.items() if ".experts." not in k}),
         "missing_shard": _copy(sharded, d("missing_shard"), lambda f: os.remove(os.path.join(f, _shards(f)[1]))),
@@ -234,6 +238,14 @@ CASES = {
     # a vision-language wrapper: AutoEP's preset is for its text backbone (which AutoModelForCausalLM loads)
     "ep_vision_language_wrapper": ("qwen3_5_moe_vl", None, {"ep_size": 2}, None, "ConfigError",
                                    ["AutoEP preset", "'qwen3_5_moe' has none", "DeepSpeed:", "qwen3_5_moe_text"]),
+    # Qwen3-VL-MoE under a preset of its structure: its MoE layers are its language model's, named by the error; then
+    # its top_k, which AutoEP reads from the top-level config and this model keeps in its text config
+    "ep_vision_language_layers": ("qwen3_vl_moe", _stage3(expert_parallel={"preset_model": "qwen3_moe"}),
+                                  {"ep_size": 2}, None, "ConfigError", [
+                                      "no MoE layers detected", r"moe_layer_pattern: 'model\.language_model\.layers"]),
+    "ep_vision_language_top_k": ("qwen3_vl_moe", _stage3(expert_parallel={
+        "preset_model": "qwen3_moe", "moe_layer_pattern": r"model\.language_model\.layers\.\d+\.mlp"}), {"ep_size": 2},
+        None, "ConfigError", ["Could not determine top_k", "num_experts_per_tok=2", "expert_parallel.top_k: 2"]),
     "ep_experts_not_divisible": ("good", None, {"ep_size": 2}, None, "ConfigError",
                                  ["has 5 experts", "ep_size=2 does not divide", "[1, 5]"]),
     "ep_sizes_conflict": ("good", _stage3(expert_parallel={"enabled": True, "autoep_size": 2}), {"ep_size": 1}, None,
@@ -316,7 +328,8 @@ CASES = {
 }
 
 
-MODEL_CLASS = {"ep_vision_language_wrapper": "AutoModelForImageTextToText"}  # the others: AutoModelForCausalLM
+MODEL_CLASS = {name: "AutoModelForImageTextToText"  # the others: AutoModelForCausalLM
+               for name in ("ep_vision_language_wrapper", "ep_vision_language_layers", "ep_vision_language_top_k")}
 
 
 @pytest.fixture(scope="module")

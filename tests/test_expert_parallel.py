@@ -7,7 +7,9 @@ and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not d
 it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where
 transformers 5.24 keeps its router in fp32). Model types without a preset whose config names their
 structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
-GLM-4.5 (MoE), MiniMax-M2 and Granite-MoE (which no preset fits), one of them trained against engine-side AutoEP.
+GLM-4.5 (MoE), MiniMax-M2, Granite-MoE (which no preset fits) and Qwen3-VL-MoE (a vision-language model, loaded
+through its own auto class, whose MoE layers are its language model's), one of them trained against engine-side
+AutoEP.
 Task heads, bare bodies and a LoRA adapter over the loaded model train as engine-side AutoEP does.
 """
 
@@ -20,8 +22,8 @@ import re
 import pytest
 import torch
 
-from tests.checkpoints import (EP_FAMILIES, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config, fp8_checkpoint,
-                               make_checkpoint)
+from tests.checkpoints import (EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config,
+                               fp8_checkpoint, make_checkpoint)
 from tests.conftest import params_kept_in_fp32, run_torchrun
 from tests.dist_worker import ds_config_for
 
@@ -40,9 +42,9 @@ DEQUANTIZE = {"quant_method": "fp8", "dequantize": True}
 
 
 def checkpoint(workdir: str, family: str) -> str:
-    if family == FP8:
-        import transformers
+    import transformers
 
+    if family == FP8:
         config = transformers.DeepseekV3Config(  # every expert and projection dimension a whole number of blocks
             vocab_size=101, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=64,
             intermediate_size=48, moe_intermediate_size=32, n_routed_experts=6, n_shared_experts=1,
@@ -52,7 +54,9 @@ def checkpoint(workdir: str, family: str) -> str:
         source = make_checkpoint(os.path.join(workdir, "ep_deepseek_v3_bf16"), "deepseek_v3", dtype=torch.bfloat16,
                                  config=config)
         return fp8_checkpoint(source, os.path.join(workdir, f"ep_{FP8}"), block=(16, 16))
-    return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family))
+    model_class = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
+    return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family),
+                           model_class=model_class)
 
 
 # world size -> [(family, ep_size, engine dtype[, the structure the config names if not the family's own (or None),
@@ -65,7 +69,8 @@ RUNS = {
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
         (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
-        ("minimax_m3_vl_text", 2, "bfloat16"), ("olmoe", 2, "bfloat16", OLMOE_EP_PATTERNS)],
+        ("minimax_m3_vl_text", 2, "bfloat16"), ("olmoe", 2, "bfloat16", OLMOE_EP_PATTERNS),
+        ("qwen3_vl_moe", 2, "bfloat16")],
 }
 
 _dumps: dict = {}
@@ -79,6 +84,7 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
             tag = ("/patterns" if structure else "") + "".join(f"/{k}" for k in kwargs)
             cases.append({"name": f"{family}/ep{ep}/{dtype}{tag}", "family": family, "ep_size": ep,
                           "path": checkpoint(workdir, family), "dtype": dtype,
+                          "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
                           "ds_config": ep_ds_config(ep, dtype, family, structure), "all_ranks_state": True,
                           "kwargs": {**({"quantization_config": DEQUANTIZE} if family == FP8 else {}), **kwargs},
                           "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{tag.replace('/', '_')}.pt")})
@@ -110,11 +116,11 @@ def plain_fp32_params(path: str, dtype: str, model_class: str = "AutoModelForCau
 
 
 @functools.lru_cache(maxsize=None)
-def buffer_names(path: str) -> frozenset:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def buffer_names(path: str, model_class: str = "AutoModelForCausalLM") -> frozenset:
+    import transformers
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        model = getattr(transformers, model_class).from_config(transformers.AutoConfig.from_pretrained(path))
     return frozenset(n for n, _ in model.named_buffers())
 
 
@@ -145,7 +151,7 @@ def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[str, t
 @pytest.mark.parametrize("world_size", sorted(RUNS))
 def test_local_experts_and_everything_else_equal_the_plain_load(workdir, world_size):
     for case, dump in dumps(workdir, world_size):
-        plain = plain_load(case["path"], case["dtype"])
+        plain = plain_load(case["path"], case["dtype"], case["model_class"])
         covered, experts_seen = set(), set()
         for r in dump["ranks"]:
             assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('traceback')}"
@@ -162,7 +168,8 @@ def test_local_experts_and_everything_else_equal_the_plain_load(workdir, world_s
                     continue
                 source, want = expected(name, plain, ep_rank, ep)
                 covered.add(source)
-                if (want.dtype != actual.dtype and source in plain_fp32_params(case["path"], case["dtype"])
+                if (want.dtype != actual.dtype and source in plain_fp32_params(case["path"], case["dtype"],
+                                                                                 case["model_class"])
                         and not case["kwargs"].get("keep_in_fp32")):
                     # a router the plain load keeps in fp32 (`_keep_in_fp32_modules_strict`: DeepSeek-V3's from
                     # transformers 5.24) is loaded in the engine's dtype by default, as zero.Init casts it
@@ -187,7 +194,7 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
         # every parameter byte is read by exactly one rank (the experts of an EP rank are split over its EDP group);
         # persistent buffers (DeepSeek-V3's e_score_correction_bias) are whole on every rank
         # (matched by the buffer's own name: MiniMax-M2's checkpoint keeps its original `block_sparse_moe` keys)
-        leaves = {n.rsplit(".", 1)[-1] for n in buffer_names(case["path"])}
+        leaves = {n.rsplit(".", 1)[-1] for n in buffer_names(case["path"], case["model_class"])}
         buffers = sum(e.nbytes for k, e in checkpoint_.entries.items() if k.rsplit(".", 1)[-1] in leaves)
         slack = len(checkpoint_.entries) * 4 * case["ep_size"]
         largest_allocation = lambda r: r["report"]["largest_partition_numel"]  # noqa: E731
@@ -210,8 +217,17 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
 
 
 def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[dict]:
+    from tests.checkpoints import rewrite_checkpoint
+
     path = checkpoint(workdir, family)
-    return [{"name": f"train/{family}/{variant}", "path": path, "dtype": "bfloat16",
+    engine_side_path = path
+    if family == "qwen3_vl_moe":  # transformers' own ZeRO-3 load does not apply the conversion ops, so it cannot load
+        # the released layout (experts transposed): it gets the same values in the model's layout
+        engine_side_path = rewrite_checkpoint(path, path + "_model_layout", lambda tensors: {
+            k: (v.transpose(1, 2) if ".mlp.experts." in k else v) for k, v in tensors.items()})
+    return [{"name": f"train/{family}/{variant}", "dtype": "bfloat16",
+             "path": engine_side_path if variant == "engine-side AutoEP" else path,
+             "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
              "ds_config": ep_ds_config(ep, family=family),
              "upstream": variant == "engine-side AutoEP", "train_steps": 3, "seed": 5,
              "checkpoint_roundtrip": variant == "ours", "kwargs": {"experts_implementation": "eager"},
@@ -219,8 +235,9 @@ def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[di
             for variant in ("ours", "engine-side AutoEP")]
 
 
-# (world size, family, ep_size): losses vs engine-side AutoEP; GLM-4.5 through the DeepSeek-V3 preset its config names
-TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2), (2, "glm4_moe", 2)]
+# (world size, family, ep_size): losses vs engine-side AutoEP; GLM-4.5 through the DeepSeek-V3 preset its config names,
+# Qwen3-VL-MoE through the Qwen3-MoE preset, its language model's layers and top_k
+TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2), (2, "glm4_moe", 2), (2, "qwen3_vl_moe", 2)]
 
 
 @pytest.mark.parametrize("world_size,family,ep", TRAINED)
@@ -239,15 +256,18 @@ def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, 
     # deepspeed.initialize: DeepSpeed gathers every parameter of an already-partitioned model once (its output and
     # input buffers are counted: at most 2x the parameter). Ours holds local experts only, so nothing larger than
     # the largest parameter of the EP model is gathered; engine-side AutoEP gathers each layer's whole fused
-    # experts on every rank, and more bytes in all.
+    # experts on every rank (larger than anything ours gathers, unless the model holds a larger tensor elsewhere:
+    # Qwen3-VL-MoE's vision tower), and more bytes in all.
     largest_param = max(t.numel() * t.element_size() for t in ours["rank0"]["state"].values())
-    plain = plain_load(checkpoint(workdir, family), "bfloat16")
+    plain = plain_load(checkpoint(workdir, family), "bfloat16", EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
     fused = max(t.numel() * t.element_size() for n, t in plain.items() if n.endswith("gate_up_proj"))
+    largest_other = max(t.numel() * t.element_size() for n, t in plain.items() if ".experts." not in n)
     for r, e in zip(ours["ranks"], engine_side["ranks"]):
         mine, theirs = r["init_collectives"], e["init_collectives"]
         assert max(mine["largest"].values()) <= 2 * largest_param, mine
-        assert max(theirs["largest"].values()) >= fused > max(
-            v for k, v in mine["largest"].items() if "all_gather" in k) / 2, (mine, theirs)
+        assert max(theirs["largest"].values()) >= fused, (mine, theirs)
+        if fused > largest_other:
+            assert fused > max(v for k, v in mine["largest"].items() if "all_gather" in k) / 2, (mine, theirs)
         assert sum(mine["bytes"].values()) < sum(theirs["bytes"].values()), (mine, theirs)
 
 
