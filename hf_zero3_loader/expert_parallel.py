@@ -334,13 +334,15 @@ def _layer_pattern_hint(model: torch.nn.Module, section: dict, autoep_config) ->
     """AutoEP's presets name MoE layers where a causal LM holds them (`model.layers.N.mlp`); a bare body
     (`AutoModel`: `layers.N.mlp`) or a head whose body has another name (`transformer.layers.N.mlp`) matches none.
     DeepSpeed applies a `moe_layer_pattern` given in the config over the preset it detects, so the preset's pattern
-    where this model holds those layers is all it needs: found here, and named in the error."""
+    where this model holds those layers is all it needs: found here, and named in the error. Only blocks that hold
+    `experts` count (a vision tower's `layers.N.mlp` is dense; ERNIE 4.5 VL's `mlp` holds two MoE blocks)."""
     if section.get("moe_layer_pattern"):
         return ""
-    names = [name for name, _ in model.named_modules()]
+    blocks = [name for name, module in model.named_modules()
+              if isinstance(getattr(module, "experts", None), torch.nn.Module)]
     for pattern in ds_private.autoep_layer_patterns(model, autoep_config):
         tail = pattern.removeprefix(r"model\.")
-        prefixes = {m[1] for name in names if (m := re.fullmatch(f"(.*?){tail}", name))}
+        prefixes = {m[1] for name in blocks if (m := re.fullmatch(f"(.*?){tail}", name))}
         if len(prefixes) == 1:
             where = re.escape(prefixes.pop()) + tail
             return (f" This {type(model).__name__} holds its MoE layers at '{where}': name them in the config, "

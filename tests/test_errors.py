@@ -183,6 +183,7 @@ def bad(workdir):
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
         "qwen3_5_moe_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen3_5_moe"),
+        "kimi_k25": head_checkpoint(workdir, "AutoModelForImageTextToText", "kimi_k25"),
         "qwen3_vl_moe": make_checkpoint(os.path.join(workdir, "qwen3_vl_moe"), "qwen3_vl_moe",
                                         config=ep_config("qwen3_vl_moe"), model_class=AutoModelForImageTextToText),
         "no_experts": rewrite_checkpoint(single, d("no_experts"), lambda t: {
@@ -243,6 +244,10 @@ CASES = {
     "ep_vision_language_layers": ("qwen3_vl_moe", _stage3(expert_parallel={"preset_model": "qwen3_moe"}),
                                   {"ep_size": 2}, None, "ConfigError", [
                                       "no MoE layers detected", r"moe_layer_pattern: 'model\.language_model\.layers"]),
+    # Kimi-K2.5: its vision tower holds `layers.N.mlp` too (dense), so the pattern named is the MoE blocks' alone
+    "ep_vision_language_layers_beside_a_vision_tower": (
+        "kimi_k25", _stage3(expert_parallel={"preset_model": "deepseek_v3"}), {"ep_size": 2}, None, "ConfigError",
+        ["no MoE layers detected", r"moe_layer_pattern: 'model\.language_model\.layers\.\d+\.mlp'"]),
     "ep_vision_language_top_k": ("qwen3_vl_moe", _stage3(expert_parallel={
         "preset_model": "qwen3_moe", "moe_layer_pattern": r"model\.language_model\.layers\.\d+\.mlp"}), {"ep_size": 2},
         None, "ConfigError", ["Could not determine top_k", "num_experts_per_tok=2", "expert_parallel.top_k: 2"]),
@@ -329,7 +334,8 @@ CASES = {
 
 
 MODEL_CLASS = {name: "AutoModelForImageTextToText"  # the others: AutoModelForCausalLM
-               for name in ("ep_vision_language_wrapper", "ep_vision_language_layers", "ep_vision_language_top_k")}
+               for name in ("ep_vision_language_wrapper", "ep_vision_language_layers", "ep_vision_language_top_k",
+                            "ep_vision_language_layers_beside_a_vision_tower")}
 
 
 @pytest.fixture(scope="module")
