@@ -293,6 +293,10 @@ def run_ep(args, rng) -> list[str]:
     # presets, and structures the config names: a preset of the same structure, or custom patterns; with
     # --model-class, those its auto class knows (a causal LM's body loaded into a reward model, a bare body, ...)
     families = EP_FAMILIES + tuple(EP_NAMED_STRUCTURE)
+    if args.families:  # a choice among them
+        if unknown := sorted(set(args.families) - set(families)):
+            raise SystemExit(f"no expert-parallel config for {unknown} (tests/checkpoints.ep_config: {families})")
+        families = tuple(args.families)
     if args.model_class != "AutoModelForCausalLM":
         from tests.test_families import known_to
 
@@ -751,7 +755,7 @@ def main() -> int:
     ap.add_argument("--world-size", type=int, default=3)
     ap.add_argument("--cases", type=int, default=16)
     ap.add_argument("--families", type=lambda v: v.split(","), help="comma-separated model types (default: 24 "
-                    "dense and MoE ones; any the family sweep builds)")
+                    "dense and MoE ones; any the family sweep builds; ep: any of its expert-parallel families)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="configs and missing: the engine's dtype, compared with the plain load in it")
     ap.add_argument("--stream", action="store_true",

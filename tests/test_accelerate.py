@@ -70,6 +70,48 @@ def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdi
     assert torch.allclose(torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[1]["losses"]), rtol=1e-5)
 
 
+def test_accelerates_documented_save_with_a_gathered_state_dict_writes_as_without_the_import(workdir):
+    """accelerate's documented ZeRO-3 save (`save_pretrained(..., state_dict=accelerator.get_state_dict(model))`, as
+    transformers' `run_*_no_trainer.py` examples save): the state dict is gathered on rank 0 and None on the others,
+    and every rank takes the original method, as without the import (before, the ranks given None entered the
+    collective save alone and failed after the 300 s join timeout). `state_dict=None` on a rank that writes is refused
+    there (the original would write every partitioned parameter empty); the save without a gather writes the same
+    file. The same for a LoRA adapter (PEFT's `save_pretrained`, which gathered the adapter on the ranks given None
+    while rank 0 did not)."""
+    import filecmp
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.checkpoints import ep_config
+
+    path = make_checkpoint(os.path.join(workdir, "ep_qwen3_moe"), "qwen3_moe", config=ep_config("qwen3_moe"))
+    config = os.path.join(workdir, "ds_zero3_gather_on_save.json")
+    with open(config, "w") as f:
+        json.dump({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}}, f)
+    for lora in (False, True):
+        out = os.path.join(workdir, f"accelerate_documented_save{'_lora' if lora else ''}")
+        accelerate_launch(config, "accelerate_save_script.py", path, out, *(("--lora",) if lora else ()))
+        dump = torch.load(os.path.join(out, "dump.pt"), weights_only=False)
+        assert dump["ranks"][0]["state_dict"] > 0 and dump["ranks"][1]["state_dict"] is None
+        for r in dump["ranks"]:
+            assert r["refused"]["type"] == "ConfigError" and "state_dict=None" in r["refused"]["message"], r
+        weights = "adapter_model.safetensors" if lora else "model.safetensors"
+        assert not os.path.exists(os.path.join(out, "empty", weights))
+        assert filecmp.cmp(*(os.path.join(out, folder, weights) for folder in ("documented", "without_a_gather")),
+                           shallow=False)
+        if lora:  # the trained LoRA tensors, under PEFT's names
+            written = load_file(os.path.join(out, "documented", weights))
+            assert sorted(written) == sorted(k.replace(".default", "") for k in dump["gathered"]) and len(written) == 8
+            assert all(torch.equal(written[k.replace(".default", "")], v) for k, v in dump["gathered"].items())
+            continue
+        loaded = AutoModelForCausalLM.from_pretrained(os.path.join(out, "documented"))  # loads back as trained
+        state = dict(loaded.named_parameters())
+        assert set(state) == set(dump["gathered"])
+        assert all(torch.equal(state[k].detach(), v) for k, v in dump["gathered"].items())
+
+
 def test_the_launch_environment_gives_the_config_accelerate_trains_with(workdir, monkeypatch):
     """A model loaded before the script's Accelerator exists: the config is what accelerate's own DeepSpeedPlugin
     makes of the launch's environment, as the Accelerator will. With a config file, its "auto" precision is filled

@@ -6,7 +6,8 @@ state dict in rank 0's memory) or, with that option off, write no model at all; 
 each partitioned parameter as an empty tensor (a dense model's checkpoint of `(0,)`-shaped weights, silently) or fails
 reverting MoE conversions ("chunk expects `chunks` to be greater than 0"). With `import hf_zero3_loader.auto` a
 partitioned `PreTrainedModel` is written by every rank from its own partitions instead; the files are the ones the
-gathered path writes. Anything else (a `state_dict=` the caller gathered, PEFT models given to accelerate's or
+gathered path writes. Anything else (a `state_dict=` the caller passes, as accelerate's documented
+`save_pretrained(..., state_dict=accelerator.get_state_dict(model))` does, PEFT models given to accelerate's or
 transformers' save, plain `nn.Module`s, ZeRO-1/2) goes to the original methods unchanged, and so do the Trainer's and
 accelerate's saves of a model whose partitions are swapped out to NVMe (they gather it; a model's own
 `save_pretrained` of one is refused, not written empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or
@@ -97,6 +98,18 @@ def _accelerator_save_model(original):
 _IGNORED_SAVE_KEYWORDS = ("token", "save_peft_format", "save_function")
 
 
+def _refuse_writing_empty_partitions(passed: dict, what: str) -> None:
+    """`state_dict=None` passed on a rank that writes (`is_main_process`): the original method would take the
+    model's own state dict, every partitioned parameter an empty tensor, and write that silently. Raised on this rank
+    alone: the original path runs no collective, so the other ranks return as they would have."""
+    if "state_dict" in passed and passed["state_dict"] is None and passed.get("is_main_process", True):
+        from ..errors import ConfigError
+
+        raise ConfigError(f"{what}(state_dict=None) of a ZeRO-3 model would write every partitioned parameter as an "
+                          "empty tensor: pass the gathered state dict (accelerator.get_state_dict(model)), or leave "
+                          "state_dict out and call it on every rank to save without a gather (hf_zero3_loader)")
+
+
 def _model_save_pretrained(original):
     import inspect
 
@@ -108,13 +121,19 @@ def _model_save_pretrained(original):
 
         from ..saving import is_partitioned
 
-        if (kwargs.get("state_dict") is not None or getattr(self, "_hf_peft_config_loaded", False)
-                or not (dist.is_available() and dist.is_initialized()) or not is_partitioned(self)):
+        bound = signature.bind(self, save_directory, *args, **kwargs).arguments
+        # a state dict the caller passes, even None: accelerate's documented ZeRO-3 save passes
+        # `state_dict=accelerator.get_state_dict(model)`, gathered on rank 0 and None on the others, which must take
+        # the original path with rank 0 (the collective save here would wait for rank 0 until the join timeout)
+        partitioned = is_partitioned(self)
+        if ("state_dict" in bound or getattr(self, "_hf_peft_config_loaded", False)
+                or not (dist.is_available() and dist.is_initialized()) or not partitioned):
+            if partitioned:
+                _refuse_writing_empty_partitions(bound, "save_pretrained")
             return original(self, save_directory, *args, **kwargs)
         from .. import log
         from ..saving import save_pretrained as save_partitions
 
-        bound = signature.bind(self, save_directory, *args, **kwargs).arguments
         options = {k: v for k, v in bound.items() if k not in ("self", "save_directory", "kwargs")}
         options.update(bound.get("kwargs", {}))
         options = {k: v for k, v in options.items() if k not in _IGNORED_SAVE_KEYWORDS}
@@ -141,8 +160,10 @@ def _peft_save_pretrained(original):
 
         if (not (dist.is_available() and dist.is_initialized()) or partitioned_peft_model(self) is None):
             return original(self, save_directory, *args, **kwargs)
-        if kwargs.get("state_dict") is None:
-            bound = signature.bind(self, save_directory, *args, **kwargs).arguments
+        bound = signature.bind(self, save_directory, *args, **kwargs).arguments
+        _refuse_writing_empty_partitions({**bound, **bound.get("kwargs", {})}, "PeftModel.save_pretrained")
+        if "state_dict" not in kwargs:  # one the caller passes, even None (accelerate's `get_state_dict` on ranks
+            # other than 0), is the caller's: gathering here would wait for ranks that do not
             kwargs["state_dict"] = adapter_state_dict(self, bound.get("selected_adapters"), bound.get(
                 "save_embedding_layers", "auto"), on_every_rank=True)  # each rank writes where its is_main_process says
         with written_under_transformers_names(self):  # the Trainer's save (its state_dict given) too
