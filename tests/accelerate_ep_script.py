@@ -1,5 +1,6 @@
 """A user's fine-tuning script under `accelerate launch --use_deepspeed` with `expert_parallel` in its DeepSpeed config
-file, unchanged but for one import: from_pretrained, Accelerator.prepare (deepspeed.initialize), two AdamW steps."""
+file, unchanged but for one import: from_pretrained, Accelerator.prepare (deepspeed.initialize), two AdamW steps;
+then accelerate's `get_state_dict` (refused under EP) and `save_model`."""
 
 import os
 import sys
@@ -27,8 +28,18 @@ for _ in range(2):
     optimizer.step()
     optimizer.zero_grad()
     losses.append(loss.item())
+state_dict_errors = []  # accelerate's documented save takes the consolidated state dict: refused here twice
+for gather_on_save in (False, True):  # this config's `stage3_gather_16bit_weights_on_model_save`, then with it on
+    model._config.zero_config.gather_16bit_weights_on_model_save = gather_on_save
+    try:
+        accelerator.get_state_dict(model)
+        state_dict_errors.append(None)
+    except (ValueError, NotImplementedError) as e:
+        state_dict_errors.append(f"{type(e).__name__}: {e}")
+accelerator.save_model(model, out + ".saved")  # what that error names instead: every rank writes its partitions
 every = [None] * dist.get_world_size()
-dist.all_gather_object(every, {"report": report, "losses": losses, "moe_leaf_names": moe_leaf_names})
+dist.all_gather_object(every, {"report": report, "losses": losses, "moe_leaf_names": moe_leaf_names,
+                               "state_dict_errors": state_dict_errors})
 if dist.get_rank() == 0:
     torch.save(every, out)
 dist.barrier()

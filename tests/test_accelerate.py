@@ -43,11 +43,15 @@ def test_accelerate_launch_routes_from_pretrained_through_the_loader(workdir):
 
 def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdir):
     """The DeepSpeed config file accelerate users have, with `expert_parallel`: the load builds the EP layout,
-    Accelerator.prepare (deepspeed.initialize with the same file) accepts it, and AdamW steps run. The launch also
+    Accelerator.prepare (deepspeed.initialize with the same file) accepts it, AdamW steps run, and
+    `accelerator.save_model` saves it (its `get_state_dict`, refused under EP, names that save). The launch also
     names the MoE block as a ZeRO-3 leaf module (`deepspeed_moe_layer_cls_names`, as accelerate suggests for MoE
     models): the AutoEP layers replaced every such block at load, so prepare would find none and raise; the name is
     dropped, as engine-side AutoEP drops the marks of the blocks it replaces (the losses then equal engine-side
     AutoEP's, checked by hand on 2026-11-29: the same two losses bit for bit on both ranks)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     from tests.checkpoints import ep_config
 
     path = make_checkpoint(os.path.join(workdir, "ep_qwen3_moe"), "qwen3_moe", config=ep_config("qwen3_moe"))
@@ -68,6 +72,17 @@ def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdi
         assert all(torch.isfinite(torch.tensor(got["losses"])))
     # the same batch on both ranks: the same loss, up to the order in which each rank's experts see the tokens
     assert torch.allclose(torch.tensor(ranks[0]["losses"]), torch.tensor(ranks[1]["losses"]), rtol=1e-5)
+    # accelerate's documented save needs a consolidated state dict: refused by accelerate without
+    # `stage3_gather_16bit_weights_on_model_save`, by DeepSpeed under EP with it, on every rank; each refusal names
+    # the save that works, and that save writes what accelerate's own save writes: the plain model's tensors, whole
+    for got in ranks:
+        without, under_ep = got["state_dict_errors"]
+        assert without.startswith("ValueError: Cannot get 16bit model weights") and "AutoEP" not in without, without
+        assert under_ep.startswith("NotImplementedError") and "not supported for AutoEP" in under_ep, under_ep
+        assert all("accelerator.save_model(model, folder)" in e for e in (without, under_ep))
+    written = load_file(os.path.join(out + ".saved", "model.safetensors"))
+    plain = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in plain.items()}
 
 
 def test_accelerates_documented_save_with_a_gathered_state_dict_writes_as_without_the_import(workdir):

@@ -12,7 +12,8 @@ transformers' save, plain `nn.Module`s, ZeRO-1/2) goes to the original methods u
 accelerate's saves of a model whose partitions are swapped out to NVMe (they gather it; a model's own
 `save_pretrained` of one is refused, not written empty). A PEFT model over a ZeRO-3 base (`Trainer.save_model`, or
 PEFT's own `save_pretrained` called on every rank) writes its adapter as PEFT does, from the adapter's tensors alone
-gathered (`peft_adapters.py`).
+gathered (`peft_adapters.py`). accelerate's `get_state_dict`, where accelerate or DeepSpeed refuse it for a ZeRO-3
+model, names the save without a gather in its error.
 """
 
 from __future__ import annotations
@@ -172,18 +173,40 @@ def _peft_save_pretrained(original):
     return save_pretrained
 
 
-TARGETS = {"transformers.trainer": ("Trainer", "save_model", _trainer_save_model),
-           "peft.peft_model": ("PeftModel", "save_pretrained", _peft_save_pretrained),
-           "accelerate.accelerator": ("Accelerator", "save_model", _accelerator_save_model),
-           "transformers.modeling_utils": ("PreTrainedModel", "save_pretrained", _model_save_pretrained)}
+def _accelerator_get_state_dict(original):
+    """accelerate's documented save (`save_pretrained(..., state_dict=accelerator.get_state_dict(model))`) needs a
+    consolidated state dict, which accelerate refuses under ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`
+    (pointing at that option, or `zero_to_fp32.py`), and DeepSpeed refuses under expert parallelism (engine-side AutoEP
+    too; pointing at a checkpoint conversion tool), on every rank. The save this library adds needs neither: its
+    refusals name it."""
+    @functools.wraps(original)
+    def get_state_dict(self, model, *args, **kwargs):
+        try:
+            return original(self, model, *args, **kwargs)
+        except (NotImplementedError, ValueError) as e:
+            refused = "AutoEP" in str(e) or "stage3_gather_16bit_weights_on_model_save" in str(e)
+            if not refused or _partitioned_pretrained_model(model) is None:
+                raise
+            raise type(e)(f"{e} With hf_zero3_loader, save without a state dict instead: "
+                          "accelerator.save_model(model, folder), or accelerator.unwrap_model(model).save_pretrained("
+                          "folder), called on every rank (each rank writes its own partitions, no gather)") from e
+
+    return get_state_dict
+
+
+TARGETS = {"transformers.trainer": [("Trainer", "save_model", _trainer_save_model)],
+           "peft.peft_model": [("PeftModel", "save_pretrained", _peft_save_pretrained)],
+           "accelerate.accelerator": [("Accelerator", "save_model", _accelerator_save_model),
+                                      ("Accelerator", "get_state_dict", _accelerator_get_state_dict)],
+           "transformers.modeling_utils": [("PreTrainedModel", "save_pretrained", _model_save_pretrained)]}
 
 
 def _patch(module) -> None:
-    class_name, method, wrap = TARGETS[module.__name__]
-    owner = getattr(module, class_name)
-    if (owner, method) not in _originals:
-        _originals[owner, method] = owner.__dict__[method]
-        setattr(owner, method, wrap(_originals[owner, method]))
+    for class_name, method, wrap in TARGETS[module.__name__]:
+        owner = getattr(module, class_name)
+        if (owner, method) not in _originals:
+            _originals[owner, method] = owner.__dict__[method]
+            setattr(owner, method, wrap(_originals[owner, method]))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
