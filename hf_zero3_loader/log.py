@@ -63,6 +63,14 @@ def warning_once(key: str, message: str, *args) -> None:
     warning(message, *args)
 
 
+def info_once(key: str, message: str, *args) -> None:
+    """An INFO line shown once per process, on rank 0 only (every rank would say the same)."""
+    if key in _warned or _rank() != 0:
+        return
+    _warned.add(key)
+    info(message, *args)
+
+
 def size(nbytes: int) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:

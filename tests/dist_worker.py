@@ -350,6 +350,10 @@ def run_case(case: dict) -> dict:
         result["staging_largest_allocation_bytes"] = staged_largest.largest_bytes
         loader_module.run_staged_reads = real_staged
     result["training"] = model.training
+    if case.get("z3_leaf_classes"):  # DeepSpeed's own answer to per-expert modules, as a user applies it by hand
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, case["z3_leaf_classes"])
     if case.get("resize_to"):  # transformers' ZeRO-3-aware resize: gathers the old embedding, builds under zero.Init
         from transformers.integrations import is_deepspeed_zero3_enabled
 

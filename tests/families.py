@@ -384,6 +384,7 @@ DIARIZATION = dict(head_config=dict(audio_hidden_size=32), audio_config=dict(num
 # them small. A sub-config given without a model_type changes the shrunk one; with a model_type it replaces it.
 HEAD_SIZES_FOR: dict[str, dict] = {
     # text
+    "nllb-moe": dict(encoder_sparse_step=1, decoder_sparse_step=1),  # experts in both layers (its default: every 4th)
     # text models of vision-language families (MoE among them) that only AutoModel knows: per-layer lists for 2
     # layers (a dense and a sparse MLP), sizes their validators accept
     "cosmos3_edge_text": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e8, "mrope_section": [4, 2, 2]}),

@@ -235,8 +235,49 @@ def test_experts_that_get_no_tokens_on_a_rank_do_not_hang_zero3(workdir):
     for case, dump in zip(cases, run_torchrun(2, cases, workdir, timeout=600)):
         for r in dump["ranks"]:
             assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('message')}"
+            assert "leaf_modules" not in r["report"]  # fused experts: nothing to mark
         assert len(dump["rank0"]["losses"]) == 3
         assert dump["ranks"][0]["losses"] != dump["ranks"][1]["losses"]  # the ranks did see different tokens
+
+
+# seq2seq MoE types whose experts are still one module each (a ModuleDict), and that container's class
+PER_EXPERT_MOE = {"switch_transformers": "SwitchTransformersExperts", "nllb-moe": "NllbMoeExperts"}
+
+
+def test_per_expert_moe_blocks_are_leaf_modules_and_train_as_deepspeeds_own_fix_does(workdir):
+    """Switch Transformers and NLLB-MoE keep each expert its own module, run only for the tokens routed to it: with
+    each rank on its own tokens, ZeRO-3's all-gathers no longer pair up (Switch Transformers, by hand: gloo's "Received
+    data size doesn't match expected size", without the loader too). The load marks each experts container as a
+    ZeRO-3 leaf module; 3 training steps then give the losses of the plain ZeRO-3 load with DeepSpeed's own fix applied
+    by hand (`set_z3_leaf_modules(model, [<experts class>])`), bit for bit, on both ranks."""
+    import transformers
+
+    from tests.families import small_head_config
+
+    cases = []
+    for family, experts_class in PER_EXPERT_MOE.items():
+        config = small_head_config(family, "AutoModelForSeq2SeqLM")
+        config.update({"decoder_start_token_id": 0, "pad_token_id": 0, "encoder_sparse_step": 1,
+                       "decoder_sparse_step": 1})
+        for key in ("dropout_rate", "router_jitter_noise", "dropout", "attention_dropout", "activation_dropout",
+                    "moe_token_dropout", "encoder_layerdrop", "decoder_layerdrop"):
+            if hasattr(config, key):  # no randomness in the steps (the two loads draw differently before them; a
+                setattr(config, key, 0.0)  # layer dropped on one rank only would pair no all-gather)
+        path = make_checkpoint(os.path.join(workdir, f"per_expert_{family}"), family, config=config,
+                               model_class=transformers.AutoModelForSeq2SeqLM)
+        for variant in ("ours", "plain ZeRO-3 + set_z3_leaf_modules"):
+            cases.append({"name": f"{family}/{variant}", "path": path, "dtype": "float32", "train_steps": 3,
+                          "seq_len": 1, "rank_inputs": True, "model_class": "AutoModelForSeq2SeqLM",
+                          "upstream": variant != "ours", "z3_leaf_classes": [experts_class] if variant != "ours" else None,
+                          "out": os.path.join(workdir, f"per_expert_{family}_{variant.split()[0]}.pt")})
+    dumps = run_torchrun(2, cases, workdir, timeout=600)
+    for (family, experts_class), ours, by_hand in zip(PER_EXPERT_MOE.items(), dumps[::2], dumps[1::2]):
+        for dump in (ours, by_hand):
+            assert all("error" not in r for r in dump["ranks"]), family
+        marked = ours["rank0"]["report"]["leaf_modules"]
+        assert marked and all(name.endswith(".experts") for name in marked), marked
+        assert [r["losses"] for r in ours["ranks"]] == [r["losses"] for r in by_hand["ranks"]], family
+        assert ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
 
 
 def test_every_moe_family_fuses_its_experts_into_one_module():
