@@ -277,8 +277,8 @@ def main(argv=None) -> int:
                         help='JSON: more of DeepSpeed\'s expert_parallel section, e.g. \'{"preset_model": "qwen3_moe"}\' '
                              "for a model type without an AutoEP preset")
     verify.add_argument("--model-class", default=None,
-                      help="transformers auto class (default: the one that builds the config's architecture, "
-                           "else AutoModelForCausalLM)")
+                        help="transformers auto class (default: the one that builds the config's architecture, "
+                             "else AutoModelForCausalLM)")
     verify.add_argument("--keep-in-fp32", action="store_true",
                         help="load with keep_in_fp32=True: parameters the plain load keeps in fp32 stay in fp32")
     verify.add_argument("--json", action="store_true")

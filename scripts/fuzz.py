@@ -320,8 +320,9 @@ def run_ep(args, rng) -> list[str]:
                 setattr(text, key, rng.choice(choices))
         ep = rng.choice([e for e in (1, 2, 3, 4, 6) if args.world_size % e == 0 and experts % e == 0])
         dtype = rng.choice([torch.bfloat16, torch.float32])
+        saved_as = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
         path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
-                            rng.choice(["10GB", "9KB"]), getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM")))
+                            rng.choice(["10GB", "9KB"]), saved_as)
         case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
                 "dtype": "bfloat16", "all_ranks_state": True,
                 "ds_config": ep_ds_config(ep, "bfloat16", family, _ep_structure(family, config, model_class)),

@@ -437,7 +437,8 @@ def run_case(case: dict) -> dict:
             finally:
                 saving_hooks.uninstall()
         if case.get("checkpoint_roundtrip"):
-            result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config, model.config.get_text_config().vocab_size)
+            result["checkpoint"] = checkpoint_roundtrip(case, engine, load, ds_config,
+                                                        model.config.get_text_config().vocab_size)
     if case.get("generate"):  # each rank asks for a different length: generate must keep the ranks in step
         engine = engine if case.get("train_steps") else initialize(model, ds_config, result)
         engine.module.eval()
