@@ -16,29 +16,29 @@ import torch
 from . import log
 
 
-def per_expert_moe_blocks(model: torch.nn.Module) -> list[str]:
+def experts_to_mark(model: torch.nn.Module) -> list[str]:
     """Names of the modules to mark: each list or dict of expert modules that runs them itself (its own `forward`,
     as transformers' do), else the block that holds it and loops over them (`...mlp` holding `...mlp.experts`).
     The container, where it can be: DeepSpeed's leaf hooks reject a block whose output is a view of its input
     (Switch Transformers' reshapes), which is then modified in place."""
-    blocks = []
+    names = []
     for name, module in model.named_modules():
         parent, _, leaf = name.rpartition(".")
         if "expert" in leaf and isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             runs_them = type(module).forward is not torch.nn.Module.forward
-            blocks.append(name if runs_them or not parent else parent)
-    return blocks
+            names.append(name if runs_them or not parent else parent)
+    return names
 
 
-def mark_per_expert_moe_blocks(model: torch.nn.Module) -> list[str]:
+def mark_experts_as_leaf_modules(model: torch.nn.Module) -> list[str]:
     """Mark those modules as ZeRO-3 leaf modules (before `deepspeed.initialize`, which registers the gather hooks)."""
     from deepspeed.utils import set_z3_leaf_modules_by_name
 
-    blocks = per_expert_moe_blocks(model)
-    if blocks:
-        set_z3_leaf_modules_by_name(model, blocks)
-        kinds = sorted({type(model.get_submodule(name)).__name__ for name in blocks})
+    names = experts_to_mark(model)
+    if names:
+        set_z3_leaf_modules_by_name(model, names)
+        kinds = sorted({type(model.get_submodule(name)).__name__ for name in names})
         log.info_once("leaf-modules", "marked %d experts modules (%s) as ZeRO-3 leaf modules: each expert runs only "
-                      "for the tokens routed to it, so ranks would otherwise gather different experts", len(blocks),
+                      "for the tokens routed to it, so ranks would otherwise gather different experts", len(names),
                       ", ".join(kinds))
-    return blocks
+    return names

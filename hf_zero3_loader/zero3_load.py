@@ -30,7 +30,7 @@ from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weigh
 from .deepspeed_setup import local_device
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, LoaderError
 from .expert_parallel import ExpertParallelLayout
-from .leaf_modules import mark_per_expert_moe_blocks
+from .leaf_modules import mark_experts_as_leaf_modules
 from .missing_init import initialize_missing, materialize_meta_buffers
 from .nvme_offload import SwapOutAsCompleted, read_in_waves
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, checkpoint_bodies, missing_inputs,
@@ -404,7 +404,7 @@ class Zero3Load:
                     hf_private.tied_equality(_zero3_tied_params_are_equal):
                 model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
             model._adjust_missing_and_unexpected_keys(loading_info)
-            self.report.leaf_modules = mark_per_expert_moe_blocks(model)
+            self.report.leaf_modules = mark_experts_as_leaf_modules(model)
             if self.partitioner.nvme_params or self.nvme_waves:  # NVMe offload: what is left goes to the swap files
                 # the missing keys' partitions, initialised (or partitions streamed here), unless tied away
                 self.partitioner.swap_out(model=model)

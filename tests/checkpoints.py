@@ -52,6 +52,11 @@ def make_checkpoint(path: str, family: str, dtype: torch.dtype = torch.float32, 
     return path
 
 
+def transpose_experts(tensors: dict) -> dict:
+    """Fused experts between the model's layout and Qwen3-VL-MoE's released one (`[E, H, 2I]`): either way."""
+    return {k: (v.transpose(1, 2) if ".mlp.experts." in k else v) for k, v in tensors.items()}
+
+
 def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None = None) -> str:
     """Copy checkpoint `src` to `dst` with its tensors passed through `transform(dict) -> dict`."""
     import json

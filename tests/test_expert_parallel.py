@@ -217,14 +217,13 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
 
 
 def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[dict]:
-    from tests.checkpoints import rewrite_checkpoint
+    from tests.checkpoints import rewrite_checkpoint, transpose_experts
 
     path = checkpoint(workdir, family)
     engine_side_path = path
     if family == "qwen3_vl_moe":  # transformers' own ZeRO-3 load does not apply the conversion ops, so it cannot load
         # the released layout (experts transposed): it gets the same values in the model's layout
-        engine_side_path = rewrite_checkpoint(path, path + "_model_layout", lambda tensors: {
-            k: (v.transpose(1, 2) if ".mlp.experts." in k else v) for k, v in tensors.items()})
+        engine_side_path = rewrite_checkpoint(path, path + "_model_layout", transpose_experts)
     return [{"name": f"train/{family}/{variant}", "dtype": "bfloat16",
              "path": engine_side_path if variant == "engine-side AutoEP" else path,
              "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),

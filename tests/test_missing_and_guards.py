@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.checkpoints import (ernie_moe_config, make_checkpoint, qwen3_vl_moe_config, remote_code_checkpoint,
-                                rewrite_checkpoint)
+                                rewrite_checkpoint, transpose_experts)
 from tests.conftest import run_torchrun
 from tests.families import TALKER_EXPERTS, head_checkpoint, omni_without_talker_experts
 
@@ -24,10 +24,6 @@ BUDGET = 2048  # bytes: far below one expert tensor, so chunking is exercised
 
 def _drop_layer1_experts(t):
     return {k: v for k, v in t.items() if not k.startswith("model.layers.1.mlp.experts.")}
-
-
-def _transpose_experts(t):
-    return {k: (v.transpose(1, 2) if ".mlp.experts." in k else v) for k, v in t.items()}
 
 
 def _mixtral_names(t):
@@ -63,7 +59,7 @@ def paths(workdir):
         "qwen3_vl_moe": rewrite_checkpoint(
             make_checkpoint(d("qwen3_vl_moe_src"), "qvl", config=qwen3_vl_moe_config(),
                             model_class=AutoModelForImageTextToText),
-            d("qwen3_vl_moe"), _transpose_experts),
+            d("qwen3_vl_moe"), transpose_experts),
         "qwen_renamed": rewrite_checkpoint(qwen, d("qwen_renamed"), _renamed_prefix),
         "in_subfolder": d("hub_layout"),
         "qwen_bf16": make_checkpoint(d("qwen3_moe_bf16"), "qwen3_moe", dtype=torch.bfloat16),
