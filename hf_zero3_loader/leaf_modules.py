@@ -1,15 +1,24 @@
-"""ZeRO-3 leaf modules for MoE blocks whose experts are separate modules run only for the tokens routed to them.
+"""ZeRO-3 leaf modules for the experts of MoE blocks, whose forward depends on the routing.
 
-ZeRO-3 gathers a module's parameters when its forward runs. Where each expert is its own module (Switch Transformers
-and NLLB-MoE keep them in a `ModuleDict` in transformers 5.24), a rank whose tokens skip an expert never gathers it
-while the others do: their all-gathers no longer pair up, and training stops with a collective mismatch (gloo) or
-hangs (NCCL). DeepSpeed's answer is a leaf module (`deepspeed.utils.set_z3_leaf_modules`, accelerate's
-`deepspeed_moe_layer_cls_names`): a module whose forward always runs and that gathers all its parameters at once. The
-loader marks the experts containers, so a model it loads trains without that step. Fused experts (every causal-LM MoE
-type, and the AutoEP layers of expert parallelism) are one parameter per projection and need nothing.
+ZeRO-3 gathers a module's parameters when its forward runs, and checks that every rank ran the same modules in the
+same order (the trace it prefetches by). An experts module runs a data-dependent part of itself:
+- where each expert is its own module (Switch Transformers and NLLB-MoE keep them in a `ModuleDict` in transformers
+  5.24), a rank whose tokens skip an expert never gathers it while the others do: their all-gathers no longer pair
+  up, and training stops with a collective mismatch (gloo) or hangs (NCCL);
+- fused experts (one parameter per projection, every causal-LM MoE type) gather the same parameters on every rank,
+  but their eager forward calls a submodule once per expert that received tokens (`act_fn`; DBRX runs its `mlp`
+  once per expert), so two ranks' traces differ in length and DeepSpeed stops training with "Detected a disagreement
+  on list length between rank0 and rank1" (or hangs where only one rank re-records its trace).
+DeepSpeed's answer is a leaf module (`deepspeed.utils.set_z3_leaf_modules`, accelerate's
+`deepspeed_moe_layer_cls_names`, DeepSpeed's own default list of three MoE blocks): a module whose forward always
+runs, that gathers all its parameters at once and whose submodules are not traced. The loader marks every experts
+module, so a model it loads trains without that step. Shared experts run for every token and need nothing, and
+neither do DeepSpeed's AutoEP layers (expert parallelism).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -17,17 +26,43 @@ from . import log
 
 
 def experts_to_mark(model: torch.nn.Module) -> list[str]:
-    """Names of the modules to mark: each list or dict of expert modules that runs them itself (its own `forward`,
-    as transformers' do), else the block that holds it and loops over them (`...mlp` holding `...mlp.experts`).
-    The container, where it can be: DeepSpeed's leaf hooks reject a block whose output is a view of its input
-    (Switch Transformers' reshapes), which is then modified in place."""
-    names = []
+    """Names of the modules to mark, outermost first (nothing inside a marked module):
+    - each list or dict of expert modules that runs them itself (its own `forward`, as transformers' do), else the
+      block that holds it and loops over them (`...mlp` holding `...mlp.experts`). The container, where it can be:
+      DeepSpeed's leaf hooks reject a block whose output is a view of its input (Switch Transformers' reshapes),
+      which is then modified in place;
+    - fused experts (parameters of their own) whose submodules hold none (`act_fn`): marking them changes nothing
+      else, as they are gathered in their own forward either way;
+    - an experts module that holds no parameters itself and runs a submodule that does once per expert (DBRX),
+      where its parent's forward calls it: a leaf module whose forward never runs would never be gathered (JetMoE's
+      attention experts are run through other methods, and their submodules through their own forwards)."""
+    names: list[str] = []
     for name, module in model.named_modules():
         parent, _, leaf = name.rpartition(".")
-        if "expert" in leaf and isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        if "expert" not in leaf or "shared" in leaf or type(module).__module__.startswith("deepspeed."):
+            continue
+        if any(name.startswith(marked + ".") for marked in names):
+            continue
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             runs_them = type(module).forward is not torch.nn.Module.forward
             names.append(name if runs_them or not parent else parent)
+        elif next(module.children(), None) is None:
+            continue
+        elif next(module.parameters(recurse=False), None) is not None:
+            if all(next(child.parameters(), None) is None for child in module.children()):
+                names.append(name)
+        elif parent and _forward_calls(model.get_submodule(parent), leaf):
+            names.append(name)
     return names
+
+
+def _forward_calls(module: torch.nn.Module, attribute: str) -> bool:
+    """Whether `module`'s forward calls `self.<attribute>(...)` (read from its source; False where there is none)."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return f"self.{attribute}(" in source
 
 
 def mark_experts_as_leaf_modules(model: torch.nn.Module) -> list[str]:
@@ -38,7 +73,7 @@ def mark_experts_as_leaf_modules(model: torch.nn.Module) -> list[str]:
     if names:
         set_z3_leaf_modules_by_name(model, names)
         kinds = sorted({type(model.get_submodule(name)).__name__ for name in names})
-        log.info_once("leaf-modules", "marked %d experts modules (%s) as ZeRO-3 leaf modules: each expert runs only "
-                      "for the tokens routed to it, so ranks would otherwise gather different experts", len(names),
+        log.info_once("leaf-modules", "marked %d experts modules (%s) as ZeRO-3 leaf modules: what they run depends "
+                      "on the routing, so ranks would otherwise trace and gather different modules", len(names),
                       ", ".join(kinds))
     return names

@@ -1,8 +1,8 @@
 """The ecosystem as users call it: TRL's SFTTrainer(model="<path>"), and DPOTrainer with its reference model, under
 a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.auto` exactly as without it, and the
 SFT run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same
-under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE blocks whose experts get no
-tokens on a rank do not hang ZeRO-3; a PEFT adapter folder loads its base model and its adapter as the plain load
+under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE experts whose forward depends on
+the routing are ZeRO-3 leaf modules and train with each rank on its own tokens; a PEFT adapter folder loads its base model and its adapter as the plain load
 does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 + EP; a
 Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses; the Trainer with Ulysses
 sequence parallelism (ALST) trains the same.
@@ -218,26 +218,64 @@ def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter
             assert mine == theirs, f"{name} differs"
 
 
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe")
+# MoE types whose experts' eager forward runs a submodule once per expert that received tokens, and their experts
+# class: fused experts calling `act_fn` (Qwen3-MoE, whose block DeepSpeed's default leaf list holds; DeepSeek-V3, whose
+# block it does not), DBRX running its `mlp` per expert
+ROUTED_SUBMODULES = {"qwen3_moe": "Qwen3MoeExperts", "deepseek_v3": "DeepseekV3Experts", "dbrx": "DbrxExperts"}
 
 
-def test_experts_that_get_no_tokens_on_a_rank_do_not_hang_zero3(workdir):
-    """The most reported MoE + ZeRO-3 hang: with per-expert ModuleLists, a rank whose tokens skip an expert never
-    gathers its params while the others do. transformers 5.23 fuses every MoE family's experts into one module
-    (tests: every MoE model type of the family sweep), whose forward always runs, so ZeRO-3 gathers it on every rank
-    whatever the routing. Here each rank trains on its own single token (top-2 of 6 experts: at least 4 experts get
-    no token on each rank), 3 steps, without leaf-module marking."""
-    cases = [{"name": family, "path": make_checkpoint(os.path.join(workdir, f"ep_{family}"), family,
-                                                      config=ep_config(family)),
-              "dtype": "float32", "train_steps": 3, "seq_len": 1, "rank_inputs": True,
-              "kwargs": {"experts_implementation": "eager"}, "out": os.path.join(workdir, f"no_tokens_{family}.pt")}
-             for family in MOE_FAMILIES]
-    for case, dump in zip(cases, run_torchrun(2, cases, workdir, timeout=600)):
-        for r in dump["ranks"]:
-            assert "error" not in r, f"{case['name']}: {r.get('error', {}).get('message')}"
-            assert "leaf_modules" not in r["report"]  # fused experts: nothing to mark
-        assert len(dump["rank0"]["losses"]) == 3
-        assert dump["ranks"][0]["losses"] != dump["ranks"][1]["losses"]  # the ranks did see different tokens
+def _experts_hit(path: str, seed: int, seq_len: int) -> list[int]:
+    """How many experts each MoE layer of the plain model runs for the first batch `train_losses` draws with `seed`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+             for i, (name, m) in enumerate(model.named_modules()) if name.endswith((".experts.act_fn", ".experts.mlp"))]
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    return [calls.count(i) for i in sorted(set(calls))]
+
+
+def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train_as_deepspeeds_own_fix_does(workdir):
+    """ZeRO-3 checks that every rank traced the same modules. Fused experts gather the same parameters whatever the
+    routing, but their eager forward calls `act_fn` once per expert that received tokens (DBRX runs its `mlp`
+    so), so ranks on different tokens trace different lengths: DeepSpeed stops with "Detected a disagreement on
+    list length between rank0 and rank1" (by hand, DeepSeek-V3 and DBRX without the loader; Qwen3-MoE's block is
+    on DeepSpeed's default leaf list, and Qwen3-VL-MoE's is not). The load marks the experts modules as ZeRO-3 leaf
+    modules; 3 steps with each rank on its own tokens (that route to different numbers of experts) give the losses
+    of transformers' ZeRO-3 load with `set_z3_leaf_modules(model, [<experts class>])` applied by hand, bit for bit."""
+    import transformers
+
+    from tests.families import small_config
+
+    cases = []
+    for family, experts_class in ROUTED_SUBMODULES.items():
+        config = ep_config(family) if family != "dbrx" else small_config("dbrx")
+        if family == "dbrx":
+            config.attn_config.clip_qkv = 8.0  # transformers 5.24's DBRX attention fails with clip_qkv None
+        path = make_checkpoint(os.path.join(workdir, f"routed_{family}"), family, config=config,
+                               model_class=transformers.AutoModelForCausalLM)
+        # a batch length at which the ranks' first batches (dist_worker's per-rank draws) run different numbers of
+        # experts: the first step's traces would differ in length
+        seq_len = next(n for n in range(2, 13) if _experts_hit(path, 1234, n) != _experts_hit(path, 1235, n))
+        for variant in ("ours", "plain ZeRO-3 + set_z3_leaf_modules"):
+            marked_by_hand = variant != "ours"
+            cases.append({"name": f"{family}/{variant}", "path": path, "dtype": "float32", "train_steps": 3,
+                          "seq_len": seq_len, "rank_inputs": True, "kwargs": {"experts_implementation": "eager"},
+                          "upstream": marked_by_hand, "z3_leaf_classes": [experts_class] if marked_by_hand else None,
+                          "out": os.path.join(workdir, f"routed_{family}_{variant.split()[0]}.pt")})
+    dumps = run_torchrun(2, cases, workdir, timeout=600)
+    for family, ours, by_hand in zip(ROUTED_SUBMODULES, dumps[::2], dumps[1::2]):
+        for dump in (ours, by_hand):
+            assert all("error" not in r for r in dump["ranks"]), (family, dump["rank0"].get("error"))
+        marked = ours["rank0"]["report"]["leaf_modules"]
+        assert marked and all(name.endswith(".experts") for name in marked), marked
+        assert [r["losses"] for r in ours["ranks"]] == [r["losses"] for r in by_hand["ranks"]], family
+        assert ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
 
 
 # seq2seq MoE types whose experts are still one module each (a ModuleDict), and that container's class
@@ -293,6 +331,35 @@ def test_every_moe_family_fuses_its_experts_into_one_module():
         for name, module in model.named_modules():
             if name.endswith("experts"):
                 assert not isinstance(module, torch.nn.ModuleList), f"{family}: {name} is a per-expert ModuleList"
+
+
+def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
+    """Over the family sweep (built on the meta device): every experts module the parent's forward runs and whose
+    forward calls a submodule is marked (fused experts and their `act_fn`, DBRX's per-expert `mlp`); shared experts
+    are not (they run for every token), nor JetMoE's attention experts, which its attention runs through other
+    methods (a leaf module whose forward never runs would never be gathered)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero3_loader.leaf_modules import experts_to_mark
+    from tests.families import SWEEP, small_config
+
+    marked_families = set()
+    for family in SWEEP:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(small_config(family))
+        marked = experts_to_mark(model)
+        assert not any("shared" in name for name in marked), (family, marked)
+        for name, module in model.named_modules():
+            if name.endswith(".experts") and isinstance(getattr(module, "act_fn", None), torch.nn.Module):
+                assert name in marked, (family, name)
+        if marked:
+            marked_families.add(family)
+            assert all(name.endswith(".experts") for name in marked), (family, marked)
+        if family == "jetmoe":
+            assert not any("self_attention" in name for name in marked), marked
+    assert {"qwen3_moe", "deepseek_v3", "mixtral", "dbrx", "qwen3_5_moe"} <= marked_families
+    assert not marked_families & {"llama", "gpt_oss", "jetmoe"}  # GPT-OSS's experts call no submodule
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
