@@ -38,7 +38,7 @@ class LoadReport:
     stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
     staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
     nvme: dict | None = None  # NVMe offload: partitions and bytes swapped out, the read's waves
-    leaf_modules: list = field(default_factory=list)  # MoE blocks marked as ZeRO-3 leaf modules (leaf_modules.py)
+    leaf_modules: list = field(default_factory=list)  # experts modules marked as ZeRO-3 leaf modules (leaf_modules.py)
     expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
 
     def phase(self, name: str):
