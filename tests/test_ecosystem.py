@@ -1,11 +1,11 @@
-"""The ecosystem as users call it: TRL's SFTTrainer(model="<path>"), and DPOTrainer with its reference model, under
-a real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.auto` exactly as without it, and the
-SFT run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same
-under ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE experts whose forward depends on
-the routing are ZeRO-3 leaf modules and train with each rank on its own tokens; a PEFT adapter folder loads its base model and its adapter as the plain load
-does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3 + EP; a
-Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses; the Trainer with Ulysses
-sequence parallelism (ALST) trains the same.
+"""The ecosystem as users call it: TRL's SFTTrainer(model="<path>"), and DPOTrainer with its reference model, under a
+real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.auto` exactly as without it, and the SFT
+run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same under
+ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE experts whose forward depends on the routing are
+ZeRO-3 leaf modules and train with each rank on its own tokens; a PEFT adapter folder loads its base model and its
+adapter as the plain load does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3
++ EP; a Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses; the Trainer
+with Ulysses sequence parallelism (ALST) trains the same.
 """
 
 from __future__ import annotations
@@ -242,21 +242,23 @@ def _experts_hit(path: str, seed: int, seq_len: int) -> list[int]:
 
 def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train_as_deepspeeds_own_fix_does(workdir):
     """ZeRO-3 checks that every rank traced the same modules. Fused experts gather the same parameters whatever the
-    routing, but their eager forward calls `act_fn` once per expert that received tokens (DBRX runs its `mlp`
-    so), so ranks on different tokens trace different lengths: DeepSpeed stops with "Detected a disagreement on
-    list length between rank0 and rank1" (by hand, DeepSeek-V3 and DBRX without the loader; Qwen3-MoE's block is
-    on DeepSpeed's default leaf list, and Qwen3-VL-MoE's is not). The load marks the experts modules as ZeRO-3 leaf
-    modules; 3 steps with each rank on its own tokens (that route to different numbers of experts) give the losses
-    of transformers' ZeRO-3 load with `set_z3_leaf_modules(model, [<experts class>])` applied by hand, bit for bit."""
+    routing, but their eager forward calls `act_fn` once per expert that received tokens (DBRX its `mlp`), so ranks on
+    different tokens trace different lengths: DeepSpeed stops with "Detected a disagreement on list length between rank0
+    and rank1" (by hand, DeepSeek-V3 and DBRX without the loader; Qwen3-MoE's block is on DeepSpeed's default leaf list,
+    and Qwen3-VL-MoE's is not). The load marks the experts modules as ZeRO-3 leaf modules; 3 steps with each rank on its
+    own tokens (that route to different numbers of experts) give the losses of transformers' ZeRO-3 load with
+    `set_z3_leaf_modules(model, [<experts class>])` applied by hand, bit for bit."""
     import transformers
 
     from tests.families import small_config
 
     cases = []
     for family, experts_class in ROUTED_SUBMODULES.items():
-        config = ep_config(family) if family != "dbrx" else small_config("dbrx")
         if family == "dbrx":
+            config = small_config("dbrx")
             config.attn_config.clip_qkv = 8.0  # transformers 5.24's DBRX attention fails with clip_qkv None
+        else:
+            config = ep_config(family)
         path = make_checkpoint(os.path.join(workdir, f"routed_{family}"), family, config=config,
                                model_class=transformers.AutoModelForCausalLM)
         # a batch length at which the ranks' first batches (dist_worker's per-rank draws) run different numbers of
@@ -338,7 +340,6 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     forward calls a submodule is marked (fused experts and their `act_fn`, DBRX's per-expert `mlp`); shared experts
     are not (they run for every token), nor JetMoE's attention experts, which its attention runs through other
     methods (a leaf module whose forward never runs would never be gathered)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     from hf_zero3_loader.leaf_modules import experts_to_mark
