@@ -2,10 +2,10 @@
 real `accelerate launch` (ZeRO-3, bf16) train with `import hf_zero3_loader.auto` exactly as without it, and the SFT
 run's `save_model` (and accelerate's) write the same files without a gather; LoRA through TRL trains the same under
 ZeRO-3 and ZeRO-3 + EP and saves its adapter gathering only it; MoE experts whose forward depends on the routing are
-ZeRO-3 leaf modules and train with each rank on its own tokens; a PEFT adapter folder loads its base model and its
-adapter as the plain load does; GRPO (sampling, rewards, a reference model) samples and trains the same under ZeRO-3
-+ EP; a Trainer run under EP resumes from its periodic checkpoints to the uninterrupted run's losses; the Trainer
-with Ulysses sequence parallelism (ALST) trains the same.
+ZeRO-3 leaf modules and train with each rank on its own tokens (a vision-language MoE on its own images too); a PEFT
+adapter folder loads its base model and its adapter as the plain load does; GRPO (sampling, rewards, a reference
+model) samples and trains the same under ZeRO-3 + EP; a Trainer run under EP resumes from its periodic checkpoints to
+the uninterrupted run's losses; the Trainer with Ulysses sequence parallelism (ALST) trains the same.
 """
 
 from __future__ import annotations
@@ -278,6 +278,50 @@ def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train
         assert marked and all(name.endswith(".experts") for name in marked), marked
         assert [r["losses"] for r in ours["ranks"]] == [r["losses"] for r in by_hand["ranks"]], family
         assert ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
+
+
+def _torchrun_script(script: str, *args: str) -> None:
+    """`torchrun --nproc_per_node 2 tests/SCRIPT ARGS`, as a user launches a script."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, free_port, python_path
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), os.path.join(ROOT, "tests", script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+@pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
+def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, mode):
+    """Qwen3-VL-MoE fine-tuned on images (tests/vlm_training_script.py: each rank its own text and images of its own
+    sizes, so the vision tower and the experts see different tokens on each rank), 3 steps at 2 ranks: every rank's
+    losses equal transformers' own ZeRO-3 path's, bit for bit. Under ZeRO-3 that path stops at the first step without
+    DeepSpeed's leaf-module fix (by hand: "Detected a disagreement on list length", the experts' `act_fn` ran 5 times
+    on one rank and 6 on the other), so it gets the fix by hand and the load marks the experts itself; under EP it is
+    engine-side AutoEP (on the checkpoint rewritten in the model's layout: transformers' own ZeRO-3 load does not
+    apply the conversion ops), and nothing is marked (the AutoEP layers replaced the experts)."""
+    from tests.checkpoints import rewrite_checkpoint, transpose_experts
+    from tests.test_expert_parallel import checkpoint
+
+    path = checkpoint(workdir, "qwen3_vl_moe")
+    model_layout = rewrite_checkpoint(path, path + "_model_layout", transpose_experts)
+    ep_size = "2" if mode == "expert parallel" else "0"
+    runs = {}
+    for variant, folder in (("ours", path), ("without", model_layout)):
+        out = os.path.join(workdir, f"vlm_training_{mode.replace(' ', '_')}_{variant}.json")
+        _torchrun_script("vlm_training_script.py", folder, out, variant, ep_size)
+        with open(out) as f:
+            runs[variant] = json.load(f)
+    assert runs["ours"]["losses"] == runs["without"]["losses"]
+    assert runs["ours"]["losses"][0] != runs["ours"]["losses"][1]  # the ranks trained on different inputs
+    marked = runs["ours"]["leaf_modules"]
+    if mode == "expert parallel":
+        assert marked == []
+    else:
+        assert marked == [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
 
 
 # seq2seq MoE types whose experts are still one module each (a ModuleDict), and that container's class
