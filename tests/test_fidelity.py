@@ -159,7 +159,8 @@ def test_zeropp_hpz_second_model_and_training_equal_upstream(workdir):
     and asserts it is new. Here transformers' own ZeRO-3 path loads first, then ours loads twice in the same process
     (a TRL policy and reference model do this): both reuse the group, and training matches upstream's losses."""
     path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
-    config = ds_config_for("bfloat16", {"zero_optimization": {**NOTHING_PERSISTENT, "zero_hpz_partition_size": 2}})
+    config = ds_config_for("bfloat16",
+                           {"zero_optimization": {**NOTHING_PERSISTENT, "zero_hpz_partition_size": 2}})
     cases = [{"name": f"hpz/{variant}", "path": path, "dtype": "bfloat16", "upstream": variant == "upstream",
               "ds_config": config, "kwargs": {"experts_implementation": "eager"},
               "out": os.path.join(workdir, f"hpz_{variant}.pt"), **({} if variant == "reference" else {"train_steps": 3})}
