@@ -75,9 +75,12 @@ def _ep_moe_with_tokenizer(workdir: str) -> str:
 
 def _ds_config_file(workdir: str, name: str, expert_parallel: bool, zero: dict | None = None, **ep_fields) -> str:
     """An accelerate user's DeepSpeed config file (ZeRO-3 with `zero`'s options, the Trainer fills in the "auto"s),
-    with an `expert_parallel` section (EP size 2) when asked."""
+    with an `expert_parallel` section (EP size 2) when asked. No parameter is kept whole on every rank (DeepSpeed
+    keeps those under 1e5 elements so, all of these small models'): each step gathers and releases as a large
+    model's do."""
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": 3, **(zero or {})}, "bf16": {"enabled": "auto"}}
+          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **(zero or {})},
+          "bf16": {"enabled": "auto"}}
     if expert_parallel:
         ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "use_grouped_mm": False, **ep_fields}
     config = os.path.join(workdir, f"ds_{name}.json")
