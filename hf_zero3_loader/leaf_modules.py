@@ -6,8 +6,8 @@ same order (the trace it prefetches by). An experts module runs a data-dependent
   5.24), a rank whose tokens skip an expert never gathers it while the others do: their all-gathers no longer pair
   up, and training stops with a collective mismatch (gloo) or hangs (NCCL);
 - fused experts (one parameter per projection, every causal-LM MoE type) gather the same parameters on every rank,
-  but their eager forward calls a submodule once per expert that received tokens (`act_fn`; DBRX runs its `mlp`
-  once per expert), so two ranks' traces differ in length and DeepSpeed stops training with "Detected a disagreement
+  but their eager forward calls a submodule once per expert that received tokens (`act_fn`; DBRX runs its `mlp`,
+  Muse Spark a norm), so two ranks' traces differ in length and DeepSpeed stops training with "Detected a disagreement
   on list length between rank0 and rank1" (or hangs where only one rank re-records its trace).
 DeepSpeed's answer is a leaf module (`deepspeed.utils.set_z3_leaf_modules`, accelerate's
 `deepspeed_moe_layer_cls_names`, DeepSpeed's own default list of three MoE blocks): a module whose forward always
@@ -31,11 +31,11 @@ def experts_to_mark(model: torch.nn.Module) -> list[str]:
       block that holds it and loops over them (`...mlp` holding `...mlp.experts`). The container, where it can be:
       DeepSpeed's leaf hooks reject a block whose output is a view of its input (Switch Transformers' reshapes),
       which is then modified in place;
-    - fused experts (parameters of their own) whose submodules hold none (`act_fn`): marking them changes nothing
-      else, as they are gathered in their own forward either way;
-    - an experts module that holds no parameters itself and runs a submodule that does once per expert (DBRX),
-      where its parent's forward calls it: a leaf module whose forward never runs would never be gathered (JetMoE's
-      attention experts are run through other methods, and their submodules through their own forwards)."""
+    - experts modules whose submodules hold no parameters (fused experts and their `act_fn`): marking them changes
+      nothing else, as their parameters are gathered in their own forward either way;
+    - experts modules with submodules that hold parameters (DBRX's per-expert `mlp`, Muse Spark's norm after each
+      expert) where the parent's forward calls them: a leaf module whose forward never runs would never be gathered
+      (JetMoE's attention experts are run through other methods, and their submodules through their own forwards)."""
     names: list[str] = []
     for name, module in model.named_modules():
         parent, _, leaf = name.rpartition(".")
@@ -48,9 +48,8 @@ def experts_to_mark(model: torch.nn.Module) -> list[str]:
             names.append(name if runs_them or not parent else parent)
         elif next(module.children(), None) is None:
             continue
-        elif next(module.parameters(recurse=False), None) is not None:
-            if all(next(child.parameters(), None) is None for child in module.children()):
-                names.append(name)
+        elif all(next(child.parameters(), None) is None for child in module.children()):
+            names.append(name)
         elif parent and _forward_calls(model.get_submodule(parent), leaf):
             names.append(name)
     return names

@@ -393,10 +393,10 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     forward calls a submodule is marked (fused experts and their `act_fn`, DBRX's per-expert `mlp`); shared experts
     are not (they run for every token), nor JetMoE's attention experts, which its attention runs through other
     methods (a leaf module whose forward never runs would never be gathered)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from hf_zero3_loader.leaf_modules import experts_to_mark
-    from tests.families import SWEEP, small_config
+    from tests.families import SWEEP, small_config, small_head_config
 
     marked_families = set()
     for family in SWEEP:
@@ -414,6 +414,11 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
             assert not any("self_attention" in name for name in marked), marked
     assert {"qwen3_moe", "deepseek_v3", "mixtral", "dbrx", "qwen3_5_moe"} <= marked_families
     assert not marked_families & {"llama", "gpt_oss", "jetmoe"}  # GPT-OSS's experts call no submodule
+    # Muse Spark's experts run a norm (a parameter of its own) after each expert that received tokens: marked, as
+    # the parent's forward calls them (by hand: transformers' ZeRO-3 path stops at the first step without the mark)
+    with torch.device("meta"):
+        model = AutoModel.from_config(small_head_config("muse_spark_text", "AutoModel"))
+    assert experts_to_mark(model) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
