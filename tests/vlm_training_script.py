@@ -69,3 +69,5 @@ if rank == 0:
     with open(out, "w") as f:
         json.dump({"losses": every_rank, "leaf_modules": report.leaf_modules if report else None}, f)
 dist.barrier()
+sys.stdout.flush()
+os._exit(0)  # not left to interpreter teardown, where gloo's threads can abort the process
