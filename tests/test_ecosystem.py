@@ -289,7 +289,7 @@ def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train
         assert ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
 
 
-def _torchrun_script(script: str, *args: str) -> None:
+def _torchrun_script(script: str, *args: str, timeout: float = 300) -> None:
     """`torchrun --nproc_per_node 2 tests/SCRIPT ARGS`, as a user launches a script."""
     import subprocess
     import sys
@@ -298,7 +298,7 @@ def _torchrun_script(script: str, *args: str) -> None:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), os.path.join(ROOT, "tests", script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
 
@@ -529,19 +529,10 @@ def test_a_model_with_a_0_dim_parameter_trains_under_zero3(workdir):
     """CLIP's `logit_scale` is a 0-dim parameter (transformers' own ZeRO-3 path cannot build the model at all): loaded
     at 2 ranks, one data-parallel step gives the plain model's loss and, for every parameter, its gradient of the mean
     of both ranks' losses."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT, free_port, python_path
     from tests.families import head_checkpoint
 
     path, out = head_checkpoint(workdir, "AutoModel", "clip"), os.path.join(workdir, "contrastive.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), os.path.join(ROOT, "tests", "contrastive_script.py"), path, out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _torchrun_script("contrastive_script.py", path, out, timeout=600)
     with open(out) as f:
         result = json.load(f)
     assert result["scalar_params"] == ["logit_scale"]
