@@ -55,20 +55,24 @@ def warning(message: str, *args) -> None:
     logger.warning(message, *args)
 
 
-def warning_once(key: str, message: str, *args) -> None:
-    """A warning shown once per process, on rank 0 only (every rank would say the same)."""
+def _first_time_on_rank_0(key: str) -> bool:
+    """True the first time `key` is seen in this process, on rank 0 only (every rank would say the same)."""
     if key in _warned or _rank() != 0:
-        return
+        return False
     _warned.add(key)
-    warning(message, *args)
+    return True
+
+
+def warning_once(key: str, message: str, *args) -> None:
+    """A warning shown once per process, on rank 0 only."""
+    if _first_time_on_rank_0(key):
+        warning(message, *args)
 
 
 def info_once(key: str, message: str, *args) -> None:
-    """An INFO line shown once per process, on rank 0 only (every rank would say the same)."""
-    if key in _warned or _rank() != 0:
-        return
-    _warned.add(key)
-    info(message, *args)
+    """An INFO line shown once per process, on rank 0 only."""
+    if _first_time_on_rank_0(key):
+        info(message, *args)
 
 
 def size(nbytes: int) -> str:

@@ -30,6 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.instrument import CollectiveCounter, LargestAllocation  # noqa: E402
 
 
+# ZeRO-3 keeping no parameter whole on every rank: DeepSpeed keeps those under 1e5 elements so
+# (`stage3_param_persistence_threshold`), which is every parameter of the tests' small models, so a training step
+# would gather and release nothing; with this, each step gathers and releases as a large model's do
+NOTHING_PERSISTENT = {"stage": 3, "stage3_param_persistence_threshold": 0}
+
+
 def ds_config_for(dtype: str, extra: dict | None = None) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 1,

@@ -20,6 +20,7 @@ import torch
 
 from tests.checkpoints import add_word_tokenizer, ep_config, make_checkpoint, trainable_moe_config
 from tests.conftest import run_torchrun
+from tests.dist_worker import NOTHING_PERSISTENT, ds_config_for
 from tests.test_accelerate import accelerate_launch
 
 
@@ -75,11 +76,10 @@ def _ep_moe_with_tokenizer(workdir: str) -> str:
 
 def _ds_config_file(workdir: str, name: str, expert_parallel: bool, zero: dict | None = None, **ep_fields) -> str:
     """An accelerate user's DeepSpeed config file (ZeRO-3 with `zero`'s options, the Trainer fills in the "auto"s),
-    with an `expert_parallel` section (EP size 2) when asked. No parameter is kept whole on every rank (DeepSpeed
-    keeps those under 1e5 elements so, all of these small models'): each step gathers and releases as a large
-    model's do."""
+    with an `expert_parallel` section (EP size 2) when asked. Every parameter is gathered and released at each step
+    (`NOTHING_PERSISTENT`)."""
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **(zero or {})},
+          "zero_optimization": {**NOTHING_PERSISTENT, **(zero or {})},
           "bf16": {"enabled": "auto"}}
     if expert_parallel:
         ds["expert_parallel"] = {"enabled": True, "autoep_size": 2, "use_grouped_mm": False, **ep_fields}
@@ -255,11 +255,7 @@ def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train
 
     from tests.families import small_config
 
-    from tests.dist_worker import ds_config_for
-
-    # no parameter kept whole on every rank (DeepSpeed keeps those under 1e5 elements so: all of these small models')
-    every_param_gathered = ds_config_for("float32", {"zero_optimization": {"stage": 3,
-                                                                          "stage3_param_persistence_threshold": 0}})
+    every_param_gathered = ds_config_for("float32", {"zero_optimization": NOTHING_PERSISTENT})
     cases = []
     for family, experts_class in ROUTED_SUBMODULES.items():
         if family == "dbrx":
@@ -500,9 +496,7 @@ def test_transformers_zero3_aware_methods_work_after_a_load_given_its_config_dir
     does), and `generate` left `synced_gpus` off, so a rank that finished first stopped joining the gathers and its
     peer hung. The model now keeps one alive. Resizing (tied and untied), training and a generation of a different
     length on each rank (every parameter gathered: no persistent ones) equal transformers' own ZeRO-3 path."""
-    from tests.dist_worker import ds_config_for
-
-    config = ds_config_for("float32", {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    config = ds_config_for("float32", {"zero_optimization": NOTHING_PERSISTENT})
     cases = []
     for family in ("llama_untied", "llama_tied"):
         path = make_checkpoint(os.path.join(workdir, family), family)

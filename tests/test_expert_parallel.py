@@ -25,7 +25,7 @@ import torch
 from tests.checkpoints import (EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config,
                                fp8_checkpoint, make_checkpoint)
 from tests.conftest import params_kept_in_fp32, run_torchrun
-from tests.dist_worker import ds_config_for
+from tests.dist_worker import NOTHING_PERSISTENT, ds_config_for
 
 # DeepSpeed's grouped GEMM on CPU needs 16-byte strides, which these odd sizes do not have: its loop runs instead
 EP_SECTION = {"enabled": True, "use_grouped_mm": False}
@@ -224,10 +224,9 @@ def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[di
     if family == "qwen3_vl_moe":  # transformers' own ZeRO-3 load does not apply the conversion ops, so it cannot load
         # the released layout (experts transposed): it gets the same values in the model's layout
         engine_side_path = rewrite_checkpoint(path, path + "_model_layout", transpose_experts)
-    # every rank on its own tokens, and no parameter kept whole on every rank (DeepSpeed keeps those under 1e5
-    # elements so, which is all of these small models'): each step gathers and releases as a large model's do
+    # every rank on its own tokens, and every parameter gathered and released at each step
     every_param_gathered = ep_ds_config(ep, family=family)
-    every_param_gathered["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    every_param_gathered["zero_optimization"] = dict(NOTHING_PERSISTENT)
     return [{"name": f"train/{family}/{variant}", "dtype": "bfloat16",
              "path": engine_side_path if variant == "engine-side AutoEP" else path,
              "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),

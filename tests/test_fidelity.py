@@ -15,7 +15,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 from tests.conftest import run_torchrun
-from tests.dist_worker import ds_config_for
+from tests.dist_worker import NOTHING_PERSISTENT, ds_config_for
 
 CHECKPOINTS = {
     # name: (family, saved dtype, sharded)
@@ -130,11 +130,6 @@ def test_no_rank_allocates_a_whole_sharded_parameter(workdir, world_size):
                 f"{case['name']}: rank {r['rank']} allocated a tensor of {r['largest_allocation_numel']} elements, "
                 f"largest parameter has {largest_param}"
             )
-
-
-# no parameter kept whole on every rank (DeepSpeed keeps those under 1e5 elements so, which is all of the tests' small
-# models'): each step gathers and releases the partitions as a large model's do
-NOTHING_PERSISTENT = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
 def test_training_losses_equal_upstream_zero3(workdir):
