@@ -227,11 +227,8 @@ def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter
 ROUTED_SUBMODULES = {"qwen3_moe": "Qwen3MoeExperts", "deepseek_v3": "DeepseekV3Experts", "dbrx": "DbrxExperts"}
 
 
-def _experts_hit(path: str, seed: int, seq_len: int) -> list[int]:
+def _experts_hit(model, seed: int, seq_len: int) -> list[int]:
     """How many experts each MoE layer of the plain model runs for the first batch `train_losses` draws with `seed`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
     calls = []
     hooks = [m.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
              for i, (name, m) in enumerate(model.named_modules()) if name.endswith((".experts.act_fn", ".experts.mlp"))]
@@ -267,7 +264,8 @@ def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train
                                model_class=transformers.AutoModelForCausalLM)
         # a batch length at which the ranks' first batches (dist_worker's per-rank draws) run different numbers of
         # experts: the first step's traces would differ in length
-        seq_len = next(n for n in range(2, 13) if _experts_hit(path, 1234, n) != _experts_hit(path, 1235, n))
+        plain = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
+        seq_len = next(n for n in range(2, 13) if _experts_hit(plain, 1234, n) != _experts_hit(plain, 1235, n))
         for variant in ("ours", "plain ZeRO-3 + set_z3_leaf_modules"):
             marked_by_hand = variant != "ours"
             cases.append({"name": f"{family}/{variant}", "path": path, "dtype": "float32", "train_steps": 3,
