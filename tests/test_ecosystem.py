@@ -247,21 +247,24 @@ def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train
     and rank1" (by hand, DeepSeek-V3 and DBRX without the loader; Qwen3-MoE's block is on DeepSpeed's default leaf list,
     and Qwen3-VL-MoE's is not). The load marks the experts modules as ZeRO-3 leaf modules; 3 steps with each rank on its
     own tokens (that route to different numbers of experts) give the losses of transformers' ZeRO-3 load with
-    `set_z3_leaf_modules(model, [<experts class>])` applied by hand, bit for bit."""
+    `set_z3_leaf_modules(model, [<experts class>])` applied by hand, bit for bit; the load gives every parameter and
+    buffer of plain single-process `from_pretrained`, bit and dtype."""
     import transformers
 
     from tests.families import small_config
 
+    from tests.test_fidelity import reference
+
     every_param_gathered = ds_config_for("float32", {"zero_optimization": NOTHING_PERSISTENT})
-    cases = []
+    cases, paths = [], {}
     for family, experts_class in ROUTED_SUBMODULES.items():
         if family == "dbrx":
             config = small_config("dbrx")
             config.attn_config.clip_qkv = 8.0  # transformers 5.24's DBRX attention fails with clip_qkv None
         else:
             config = ep_config(family)
-        path = make_checkpoint(os.path.join(workdir, f"routed_{family}"), family, config=config,
-                               model_class=transformers.AutoModelForCausalLM)
+        path = paths[family] = make_checkpoint(os.path.join(workdir, f"routed_{family}"), family, config=config,
+                                               model_class=transformers.AutoModelForCausalLM)
         # a batch length at which the ranks' first batches (dist_worker's per-rank draws) run different numbers of
         # experts: the first step's traces would differ in length
         plain = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")
@@ -279,6 +282,12 @@ def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train
             assert all("error" not in r for r in dump["ranks"]), (family, dump["rank0"].get("error"))
         marked = ours["rank0"]["report"]["leaf_modules"]
         assert marked and all(name.endswith(".experts") for name in marked), marked
+        # the load itself: every parameter and buffer as plain single-process from_pretrained gives it
+        plain = reference(paths[family], "float32", "AutoModelForCausalLM")
+        assert set(ours["rank0"]["state"]) == set(plain), family
+        for name, value in plain.items():
+            got = ours["rank0"]["state"][name]
+            assert got.dtype == value.dtype and torch.equal(got, value), f"{family} {name}"
         assert [r["losses"] for r in ours["ranks"]] == [r["losses"] for r in by_hand["ranks"]], family
         assert ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
 
