@@ -8,7 +8,10 @@ same order (the trace it prefetches by). An experts module runs a data-dependent
 - fused experts (one parameter per projection, every causal-LM MoE type) gather the same parameters on every rank,
   but their eager forward calls a submodule once per expert that received tokens (`act_fn`; DBRX runs its `mlp`,
   Muse Spark a norm), so two ranks' traces differ in length and DeepSpeed stops training with "Detected a disagreement
-  on list length between rank0 and rank1" (or hangs where only one rank re-records its trace).
+  on list length between rank0 and rank1" (or hangs where only one rank re-records its trace);
+- a block that sends tokens to one of several MoE blocks by modality (Ernie 4.5 VL MoE's `text_moe` and
+  `vision_moe`) skips the vision one on a rank whose batch holds no image tokens (a text-only batch beside the usual
+  ZeRO-3 dummy vision pass): that rank never gathers its gate and experts while the others do.
 DeepSpeed's answer is a leaf module (`deepspeed.utils.set_z3_leaf_modules`, accelerate's
 `deepspeed_moe_layer_cls_names`, DeepSpeed's own default list of three MoE blocks): a module whose forward always
 runs, that gathers all its parameters at once and whose submodules are not traced. The loader marks every experts
@@ -35,7 +38,9 @@ def experts_to_mark(model: torch.nn.Module) -> list[str]:
       nothing else, as their parameters are gathered in their own forward either way;
     - experts modules with submodules that hold parameters (DBRX's per-expert `mlp`, Muse Spark's norm after each
       expert) where the parent's forward calls them: a leaf module whose forward never runs would never be gathered
-      (JetMoE's attention experts are run through other methods, and their submodules through their own forwards)."""
+      (JetMoE's attention experts are run through other methods, and their submodules through their own forwards);
+    - in place of those, a module holding two or more MoE blocks with experts (Ernie 4.5 VL MoE's text and vision
+      ones) where its parent's forward calls it: its forward may run only some of them."""
     names: list[str] = []
     for name, module in model.named_modules():
         parent, _, leaf = name.rpartition(".")
@@ -52,7 +57,28 @@ def experts_to_mark(model: torch.nn.Module) -> list[str]:
             names.append(name)
         elif parent and _forward_calls(model.get_submodule(parent), leaf):
             names.append(name)
-    return names
+    return _routers_in_place_of_their_experts(model, names)
+
+
+def _routers_in_place_of_their_experts(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """`names` with the experts of two or more sibling MoE blocks (`<router>.<block>.experts`) replaced by their
+    `<router>`, where the router's parent's forward calls it."""
+    blocks_of: dict[str, set[str]] = {}
+    for name in names:
+        block = name.rpartition(".")[0]
+        if "." in block:
+            blocks_of.setdefault(block.rpartition(".")[0], set()).add(block)
+    routers = []
+    for router, blocks in blocks_of.items():
+        parent, _, leaf = router.rpartition(".")
+        if len(blocks) > 1 and parent and _forward_calls(model.get_submodule(parent), leaf):
+            routers.append(router)
+    kept: list[str] = []
+    for name in names:
+        name = next((r for r in routers if name.startswith(r + ".")), name)
+        if name not in kept:
+            kept.append(name)
+    return kept
 
 
 def _forward_calls(module: torch.nn.Module, attribute: str) -> bool:

@@ -306,25 +306,37 @@ def _torchrun_script(script: str, *args: str, timeout: float = 300) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-@pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
-def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, mode):
-    """Qwen3-VL-MoE fine-tuned on images (tests/vlm_training_script.py: each rank its own text and images of its own
-    sizes, so the vision tower and the experts see different tokens on each rank), 3 steps at 2 ranks: every rank's
-    losses equal transformers' own ZeRO-3 path's, bit for bit. Under ZeRO-3 that path stops at the first step without
-    DeepSpeed's leaf-module fix (by hand: "Detected a disagreement on list length", the experts' `act_fn` ran 5 times
-    on one rank and 6 on the other), so it gets the fix by hand and the load marks the experts itself; under EP it is
-    engine-side AutoEP (on the checkpoint rewritten in the model's layout: transformers' own ZeRO-3 load does not
-    apply the conversion ops), and nothing is marked (the AutoEP layers replaced the experts)."""
-    from tests.checkpoints import rewrite_checkpoint, transpose_experts
+@pytest.mark.parametrize("family, mode", [("qwen3_vl_moe", "zero3"), ("qwen3_vl_moe", "expert parallel"),
+                                          ("ernie4_5_vl_moe", "zero3")])
+def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, family, mode):
+    """A vision-language MoE fine-tuned on images (tests/vlm_training_script.py), 3 steps at 2 ranks, every parameter
+    gathered and released at each step: every rank's losses equal transformers' own ZeRO-3 path's, bit for bit.
+    - Qwen3-VL-MoE, each rank its own text and images of its own sizes, so the vision tower and the experts see
+      different tokens on each rank. Under ZeRO-3 transformers' path stops at the first step without DeepSpeed's
+      leaf-module fix (by hand: "Detected a disagreement on list length", the experts' `act_fn` ran 5 times on one
+      rank and 6 on the other), so it gets the fix by hand and the load marks the experts itself. Under EP it is
+      engine-side AutoEP (on the checkpoint rewritten in the model's layout: transformers' own ZeRO-3 load does not
+      apply the conversion ops), and nothing is marked (the AutoEP layers replaced the experts).
+    - Ernie 4.5 VL MoE, images on rank 0, text only on rank 1 (with the usual dummy vision pass): each MoE layer runs
+      its vision MoE block only on rank 0, and marking the experts is not enough (by hand, transformers' path with its
+      `Ernie4_5_VLMoeSparseMoeBlock` marked: gloo's "Received data size doesn't match expected size"). The load marks
+      the layer's `mlp`, which holds the text and vision blocks; transformers' path gets the same mark by hand."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.checkpoints import ernie4_5_vl_moe_config, rewrite_checkpoint, transpose_experts
     from tests.test_expert_parallel import checkpoint
 
-    path = checkpoint(workdir, "qwen3_vl_moe")
-    model_layout = rewrite_checkpoint(path, path + "_model_layout", transpose_experts)
+    if family == "qwen3_vl_moe":
+        path = checkpoint(workdir, family)
+        engine_side = rewrite_checkpoint(path, path + "_model_layout", transpose_experts)
+    else:  # the quantized tests' checkpoint (tests/test_quantized.py)
+        path = engine_side = make_checkpoint(os.path.join(workdir, "quant", "ernie_vl"), "e",
+                                             config=ernie4_5_vl_moe_config(), model_class=AutoModelForImageTextToText)
     ep_size = "2" if mode == "expert parallel" else "0"
     runs = {}
-    for variant, folder in (("ours", path), ("without", model_layout)):
-        out = os.path.join(workdir, f"vlm_training_{mode.replace(' ', '_')}_{variant}.json")
-        _torchrun_script("vlm_training_script.py", folder, out, variant, ep_size)
+    for variant, folder in (("ours", path), ("without", engine_side)):
+        out = os.path.join(workdir, f"vlm_training_{family}_{mode.replace(' ', '_')}_{variant}.json")
+        _torchrun_script("vlm_training_script.py", folder, out, variant, ep_size, family)
         with open(out) as f:
             runs[variant] = json.load(f)
     assert runs["ours"]["losses"] == runs["without"]["losses"]
@@ -332,6 +344,8 @@ def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, mode):
     marked = runs["ours"]["leaf_modules"]
     if mode == "expert parallel":
         assert marked == []
+    elif family == "ernie4_5_vl_moe":  # its first layer is dense
+        assert marked == ["model.language_model.layers.1.mlp"]
     else:
         assert marked == [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
 
@@ -395,10 +409,12 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     """Over the family sweep (built on the meta device): every experts module the parent's forward runs and whose
     forward calls a submodule is marked (fused experts and their `act_fn`, DBRX's per-expert `mlp`); shared experts
     are not (they run for every token), nor JetMoE's attention experts, which its attention runs through other
-    methods (a leaf module whose forward never runs would never be gathered)."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    methods (a leaf module whose forward never runs would never be gathered). A module holding a text and a vision MoE
+    block is marked whole (Ernie 4.5 VL MoE)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from hf_zero3_loader.leaf_modules import experts_to_mark
+    from tests.checkpoints import ernie4_5_vl_moe_config
     from tests.families import SWEEP, small_config, small_head_config
 
     marked_families = set()
@@ -422,6 +438,11 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     with torch.device("meta"):
         model = AutoModel.from_config(small_head_config("muse_spark_text", "AutoModel"))
     assert experts_to_mark(model) == ["layers.0.mlp.experts", "layers.1.mlp.experts"]
+    # Ernie 4.5 VL MoE's layer runs its vision MoE block only for batches with image tokens: the layer's `mlp`, which
+    # holds the text and vision blocks, is marked in place of their experts (the only such type over the head sweep)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(ernie4_5_vl_moe_config())
+    assert experts_to_mark(model) == ["model.language_model.layers.1.mlp"]
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
