@@ -445,6 +445,57 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     assert experts_to_mark(model) == ["model.language_model.layers.1.mlp"]
 
 
+def _modules_run(model: torch.nn.Module, input_ids: torch.Tensor) -> list[str]:
+    """The names of the modules whose forward runs, in order (what ZeRO-3 traces), in one forward."""
+    names = {id(module): name for name, module in model.named_modules()}
+    ran: list[str] = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _: ran.append(names.get(id(m), "?")))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        hook.remove()
+    return ran
+
+
+def test_outside_the_leaf_modules_every_moe_type_runs_the_same_modules_whatever_the_tokens():
+    """What the marks are for, checked on the forward itself: every MoE type of the family sweep, built small with
+    eager experts and run on 8 short inputs (2 tokens route to between k and 2k experts), runs the same modules in the
+    same order outside the marked leaf modules, whatever the tokens, in training and in eval mode. Without the marks
+    the same runs differ in most of these types (the check sees what it is for)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero3_loader.leaf_modules import experts_to_mark
+    from tests.families import SWEEP, small_config
+
+    differ_unmarked = []
+    moe_types = 0
+    for family in SWEEP:
+        config = small_config(family)
+        if getattr(config, "qk_rope_head_dim", None):  # the sweep's MLA sizes load but do not run: make them run
+            config.head_dim, config.num_key_value_heads = config.qk_rope_head_dim, config.num_attention_heads
+        if family == "dbrx":
+            config.attn_config.clip_qkv = 8.0
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+        if not any("expert" in name for name, _ in model.named_modules()):
+            continue
+        moe_types += 1
+        marked = experts_to_mark(model)
+        vocab = config.get_text_config().vocab_size
+        inputs = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+                  for seed, n in [(s, 2) for s in range(6)] + [(6, 5), (7, 12)]]
+        for training in (False, True):
+            model.train(training)
+            runs = [_modules_run(model, ids) for ids in inputs]
+            outside = [[n for n in run if not any(n == m or n.startswith(m + ".") for m in marked)] for run in runs]
+            assert all(o == outside[0] for o in outside), (family, training, marked)
+            if not training and any(run != runs[0] for run in runs):
+                differ_unmarked.append(family)
+    assert moe_types >= 50 and len(differ_unmarked) >= 40, (moe_types, differ_unmarked)
+    assert {"qwen3_moe", "mixtral", "dbrx", "qwen3_5_moe", "glm4_moe", "minimax_m2"} <= set(differ_unmarked)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir, lora):
     """scripts/finetune_moe.py as the README shows it, under the shipped ZeRO-3 + EP accelerate config, training the
