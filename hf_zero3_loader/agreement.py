@@ -15,7 +15,9 @@ one at the same place, so a failed load cannot pair with a retry; a peer in an e
 
 Collectives of ours (missing-key init, the tied-weights check) run inside `collective_section`: entered only after
 an agreement point (no rank enters a collective another rank will never join), with the process groups' timeout
-lowered to the liveness bound, so a peer that stops inside one fails the section instead of hanging it.
+lowered to the liveness bound, so a peer that stops inside one fails the section instead of hanging it. Gloo's
+point-to-point waits ignore that timeout (a receiver whose sender stopped would wait out the group's 30 minutes),
+so streams run in a thread that this one watches for the verdict (`run_watched`).
 
 Private torch API (torch 2.13): `distributed_c10d._get_default_store` and `distributed_c10d._set_pg_timeout`
 (plus the gloo backend's `options._timeout`, to restore it).
@@ -311,6 +313,41 @@ class Agreement:
         # a peer that failed on its own reports its error at this same point: do not race it with ours
         self.check(phase, None if isinstance(error, errors.PeerFailed) else error)
         raise _agreed(errors.DistributedLoadError, f"[rank {self.rank}] {phase} failed: {error}", error)
+
+
+    def run_watched(self, transfer, phase: str, cancel: threading.Event):
+        """Run `transfer` (point-to-point sends and receives) in a thread, and wait for it here, watching for a
+        verdict: a peer that stops mid-stream fails the load within the liveness bound, where the transfer itself
+        would wait on; a slow but live one is waited for. On a verdict or an interrupt, `cancel` is set (the transfer
+        stops at its next chunk, if its wait ever ends) and the thread is left behind: the load has failed."""
+        box: list = []
+
+        def run():
+            try:
+                transfer()
+            except BaseException as e:
+                box.append(e)
+
+        thread = threading.Thread(target=run, name="hf_zero3_loader-stream", daemon=True)
+        thread.start()
+        period = min(1.0, self.liveness_s / 5)  # the heartbeat's: a verdict is seen as soon as it is written
+        try:
+            while True:
+                thread.join(period)
+                if not thread.is_alive():
+                    break
+                try:
+                    verdict = self.store.check([f"{self.prefix}/verdict"])
+                    verdict = verdict and self.store.get(f"{self.prefix}/verdict").decode()
+                except Exception as e:
+                    raise _store_lost(e) from e
+                if verdict:
+                    raise self._lost(phase, verdict)
+        except BaseException:
+            cancel.set()
+            raise
+        if box:
+            raise box[0]
 
 
 def _store_lost(cause: BaseException) -> BaseException:

@@ -574,13 +574,18 @@ class _Save:
         streamer = Streamer(self.chunk_bytes, device)
         edp = [self.layout.groups.edp_group] if self.layout is not None else []
         with self.agreement.collective_section("stream partitions to the writing ranks", edp):
+            phase = "stream partitions to the writing ranks"
             sink = stream.source_of.get(report.rank)
             if sink is not None:
-                streamer.send_partitions(self.plan, sink, partitions_of(self.module, self.plan))
+                partitions = partitions_of(self.module, self.plan)
+                self.agreement.run_watched(lambda: streamer.send_partitions(self.plan, sink, partitions), phase,
+                                           streamer.cancelled)
             senders = stream.serves(report.rank)
             if senders:
                 plans = {r: self._plan_for(Peer(**peers[r])) for r in senders}
-                streamer.receive_to_files(plans, self.checkpoint, file_writer, temp)
+                self.agreement.run_watched(
+                    lambda: streamer.receive_to_files(plans, self.checkpoint, file_writer, temp), phase,
+                    streamer.cancelled)
         report.stream = {"writes_files": sink is None, **({"streams_to": sink} if sink is not None else {}),
                          **({"receives_from": senders} if senders else {}), "bytes_sent": streamer.bytes_sent,
                          "bytes_received": streamer.bytes_received,

@@ -21,7 +21,8 @@ shared filesystem) or should not (a filesystem so slow per client that one reade
    `_unpack_stored`), unless that is no smaller than their elements.
 4. Errors agree as everywhere else: each chunk is preceded by a status; a reader that fails sends "failed" to the
    ranks waiting on it and reports its error at the next agreement point; one that dies or stops is caught by the
-   liveness verdict.
+   liveness verdict (streams run in a thread watched for it, `Agreement.run_watched`: gloo's point-to-point waits
+   would wait on for a stopped peer).
 
 Point-to-point `send`/`recv` on the default process group: gloo on CPU; on NCCL the chunks travel through device
 buffers (not tested here: one GPU was available).
@@ -33,6 +34,7 @@ import collections
 import os
 import socket
 import struct
+import threading
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -455,6 +457,11 @@ class Streamer:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.chunks_sent = {"elements": 0, "stored bytes": 0}  # by form
+        self.cancelled = threading.Event()  # set when the load stopped waiting for this stream (`run_watched`)
+
+    def _next_chunk(self) -> None:
+        if self.cancelled.is_set():
+            raise LoaderError("stream cancelled: the load failed or was interrupted")
 
     def _buffer(self, nbytes: int, device=None) -> torch.Tensor:
         self.largest_buffer = max(self.largest_buffer, nbytes)
@@ -477,6 +484,7 @@ class Streamer:
             for name in files:
                 for rank in sorted(plans):
                     for chunk in streams[rank].get(name, []):
+                        self._next_chunk()
                         for work in in_flight[turn][:2]:
                             work.wait()
                         buf = buffers[turn]
@@ -554,6 +562,7 @@ class Streamer:
         status = torch.empty(3, dtype=torch.int64, device=self.device)
         for _, chunks in stream:
             for chunk in chunks:
+                self._next_chunk()
                 size, form = self._receive_chunk(buf, status, source, chunk, "streams this rank's checkpoint bytes")
                 received = self._place(chunk, buf[:size], form, checkpoint, destinations)
                 self.bytes_received += received
@@ -623,6 +632,7 @@ class Streamer:
         try:
             for _, chunks in stream:
                 for chunk in chunks:
+                    self._next_chunk()
                     for work in in_flight[turn][:2]:
                         work.wait()
                     buf = buffers[turn]
@@ -657,6 +667,7 @@ class Streamer:
         for source in sorted(plans):
             for _, chunks in streams[source]:
                 for chunk in chunks:
+                    self._next_chunk()
                     size, form = self._receive_chunk(buf, status, source, chunk,
                                                      "streams its partitions to this rank")
                     if form != ELEMENTS:  # a save sends partition elements only

@@ -221,7 +221,9 @@ class Zero3Load:
                 try:  # rank 0 shows its progress, as it does for its own reads
                     with tqdm(total=sum(stream_bytes(p) for p in served.values()), unit="B", unit_scale=True,
                               desc=desc, disable=rank != 0) as bar:
-                        streamer.serve(served, checkpoint, reader, progress=bar.update)
+                        self.agreement.run_watched(
+                            lambda: streamer.serve(served, checkpoint, reader, progress=bar.update),
+                            "stream checkpoint bytes", streamer.cancelled)
                 except BaseException as e:
                     error = e
                     cancel.set()
@@ -239,8 +241,11 @@ class Zero3Load:
                             if self.partitioner is not None and self.partitioner.nvme_params else None)
                 with tqdm(total=stream_bytes(plan), unit="B", unit_scale=True, desc="Receiving ZeRO-3 partitions",
                           disable=rank != 0) as bar:
-                    streamer.receive(plan, layout.source_of[rank], by_name, checkpoint, progress=bar.update,
-                                     on_complete=swap_out and (lambda name: swap_out(by_name[name])))
+                    self.agreement.run_watched(
+                        lambda: streamer.receive(plan, layout.source_of[rank], by_name, checkpoint,
+                                                 progress=bar.update,
+                                                 on_complete=swap_out and (lambda name: swap_out(by_name[name]))),
+                        "stream checkpoint bytes", streamer.cancelled)
                 if swap_out is not None:
                     swap_out.flush()
                     self.nvme_waves = swap_out.summary()

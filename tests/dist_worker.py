@@ -185,6 +185,19 @@ def inject_fault(case: dict):
             return real_execute(*args, **kwargs)
         reader.execute_read = execute_read
         saved.append((reader, "execute_read", real_execute))
+    elif kind == "stop_in_stream":  # a reader that stops (SIGSTOP) after a few chunks: its receivers are mid-stream
+        import hf_zero3_loader.streaming as streaming
+
+        real_next_chunk = streaming.Streamer._next_chunk
+        calls = [0]
+
+        def next_chunk(self):
+            calls[0] += 1
+            if calls[0] > fault.get("after", 3):
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real_next_chunk(self)
+        streaming.Streamer._next_chunk = next_chunk
+        saved.append((streaming.Streamer, "_next_chunk", real_next_chunk))
     elif kind == "no_local_rank":  # a script that starts its own processes (mp.spawn) and sets no LOCAL_RANK
         local_rank = os.environ.pop("LOCAL_RANK")  # nothing patched: putting it back is the whole undo
         return lambda: os.environ.update(LOCAL_RANK=local_rank)

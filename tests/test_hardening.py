@@ -100,6 +100,26 @@ def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missin
     assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
 
 
+def test_a_reader_that_stops_mid_stream_is_noticed_within_the_liveness_bound(workdir):
+    """Rank 1, the only rank with the files, stopped (SIGSTOP) while it streams ranks 0 and 2 their partitions: both
+    fail with the liveness verdict within the bound. Gloo's point-to-point receive ignores the process group's
+    lowered timeout: before the streams were watched (`Agreement.run_watched`), the receivers waited out the group's
+    30 minutes (by hand: no verdict in 150 s at a 5 s bound). (Rank 0 hosts the store here, so it cannot be the one
+    stopped.)"""
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    nowhere = os.path.join(workdir, "qwen3_moe_not_on_this_rank")
+    case = {"name": "stop_in_stream", "path": path, "path_by_rank": {"0": nowhere, "2": nowhere}, "dtype": "float32",
+            "kwargs": {"liveness_timeout_s": LIVENESS_S, "stream_chunk_bytes": 1024},
+            "inject": {"rank": 1, "kind": "stop_in_stream"}, "out": os.path.join(workdir, "live_stop_in_stream.pt")}
+    (ranks,) = run_ranks(3, [case], workdir, timeout=LIVENESS_S * 3 + 60, stopped=(1,))
+    assert ranks[1] is None, "rank 1 was stopped before reporting"
+    for r in (ranks[0], ranks[2]):
+        error = r["error"]
+        assert "DistributedLoadError" in error["mro"], error
+        assert "rank 1 stopped answering" in error["message"] and "stream checkpoint bytes" in error["message"], error
+        assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
+
+
 def test_a_slow_but_live_rank_is_waited_for(workdir):
     path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
     slow = 2 * LIVENESS_S + 2
