@@ -314,7 +314,6 @@ class Agreement:
         self.check(phase, None if isinstance(error, errors.PeerFailed) else error)
         raise _agreed(errors.DistributedLoadError, f"[rank {self.rank}] {phase} failed: {error}", error)
 
-
     def run_watched(self, transfer, phase: str, cancel: threading.Event):
         """Run `transfer` (point-to-point sends and receives) in a thread, and wait for it here, watching for a
         verdict: a peer that stops mid-stream fails the load within the liveness bound, where the transfer itself
@@ -330,15 +329,14 @@ class Agreement:
 
         thread = threading.Thread(target=run, name="hf_zero3_loader-stream", daemon=True)
         thread.start()
-        period = min(1.0, self.liveness_s / 5)  # the heartbeat's: a verdict is seen as soon as it is written
+        period, key = min(1.0, self.liveness_s / 5), f"{self.prefix}/verdict"  # the heartbeat's period
         try:
             while True:
                 thread.join(period)
                 if not thread.is_alive():
                     break
                 try:
-                    verdict = self.store.check([f"{self.prefix}/verdict"])
-                    verdict = verdict and self.store.get(f"{self.prefix}/verdict").decode()
+                    verdict = self.store.get(key).decode() if self.store.check([key]) else None
                 except Exception as e:
                     raise _store_lost(e) from e
                 if verdict:

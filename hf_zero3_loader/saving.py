@@ -573,8 +573,8 @@ class _Save:
         device = torch.device("cpu") if dist.get_backend() == "gloo" else local_device()
         streamer = Streamer(self.chunk_bytes, device)
         edp = [self.layout.groups.edp_group] if self.layout is not None else []
-        with self.agreement.collective_section("stream partitions to the writing ranks", edp):
-            phase = "stream partitions to the writing ranks"
+        phase = "stream partitions to the writing ranks"
+        with self.agreement.collective_section(phase, edp):
             sink = stream.source_of.get(report.rank)
             if sink is not None:
                 partitions = partitions_of(self.module, self.plan)
