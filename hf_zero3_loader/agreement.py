@@ -319,15 +319,7 @@ class Agreement:
         verdict: a peer that stops mid-stream fails the load within the liveness bound, where the transfer itself
         would wait on; a slow but live one is waited for. On a verdict or an interrupt, `cancel` is set (the transfer
         stops at its next chunk, if its wait ever ends) and the thread is left behind: the load has failed."""
-        box: list = []
-
-        def run():
-            try:
-                transfer()
-            except BaseException as e:
-                box.append(e)
-
-        thread = threading.Thread(target=run, name="hf_zero3_loader-stream", daemon=True)
+        thread = Worker(transfer, "hf_zero3_loader-stream")
         thread.start()
         period, key = min(1.0, self.liveness_s / 5), f"{self.prefix}/verdict"  # the heartbeat's period
         try:
@@ -344,8 +336,22 @@ class Agreement:
         except BaseException:
             cancel.set()
             raise
-        if box:
-            raise box[0]
+        if thread.error is not None:
+            raise thread.error
+
+
+class Worker(threading.Thread):
+    """`work()` in a daemon thread; its exception, if any, is kept for whoever joins it (`error`)."""
+
+    def __init__(self, work, name: str):
+        super().__init__(name=name, daemon=True)
+        self.work, self.error = work, None
+
+    def run(self):
+        try:
+            self.work()
+        except BaseException as e:
+            self.error = e
 
 
 def _store_lost(cause: BaseException) -> BaseException:

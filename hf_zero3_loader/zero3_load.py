@@ -24,7 +24,7 @@ import torch
 from . import _transformers_private as hf_private
 from . import log
 from ._deepspeed_private import partitions_in_memory
-from .agreement import Agreement
+from .agreement import Agreement, Worker
 from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
                          open_checkpoint)
 from .deepspeed_setup import local_device
@@ -49,20 +49,12 @@ DEQUANTIZE_HINTS = {"fp8": "FineGrainedFP8Config(dequantize=True)", "mxfp4": "Mx
 
 def _in_thread(fn):
     """Start `fn` in a thread; returns a join that waits for it and returns its exception (or None)."""
-    box: list = []
-
-    def run():
-        try:
-            fn()
-        except BaseException as e:
-            box.append(e)
-
-    thread = threading.Thread(target=run, name="hf_zero3_loader-own-read", daemon=True)
+    thread = Worker(fn, "hf_zero3_loader-own-read")
     thread.start()
 
     def join():
         thread.join()
-        return box[0] if box else None
+        return thread.error
 
     return join
 
