@@ -227,17 +227,27 @@ def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter
 ROUTED_SUBMODULES = {"qwen3_moe": "Qwen3MoeExperts", "deepseek_v3": "DeepseekV3Experts", "dbrx": "DbrxExperts"}
 
 
+def _modules_run(model: torch.nn.Module, input_ids: torch.Tensor) -> list[str]:
+    """The names of the modules whose forward runs, in order (what ZeRO-3 traces), in one forward."""
+    names = {id(module): name for name, module in model.named_modules()}
+    ran: list[str] = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _: ran.append(names.get(id(m), "?")))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        hook.remove()
+    return ran
+
+
 def _experts_hit(model, seed: int, seq_len: int) -> list[int]:
     """How many experts each MoE layer of the plain model runs for the first batch `train_losses` draws with `seed`."""
-    calls = []
-    hooks = [m.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
-             for i, (name, m) in enumerate(model.named_modules()) if name.endswith((".experts.act_fn", ".experts.mlp"))]
+    import collections
+
     ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        model(input_ids=ids)
-    for h in hooks:
-        h.remove()
-    return [calls.count(i) for i in sorted(set(calls))]
+    runs = collections.Counter(name for name in _modules_run(model, ids)
+                               if name.endswith((".experts.act_fn", ".experts.mlp")))
+    return list(runs.values())  # in the order the layers ran
 
 
 def test_experts_whose_forward_depends_on_the_routing_are_leaf_modules_and_train_as_deepspeeds_own_fix_does(workdir):
@@ -443,19 +453,6 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(ernie4_5_vl_moe_config())
     assert experts_to_mark(model) == ["model.language_model.layers.1.mlp"]
-
-
-def _modules_run(model: torch.nn.Module, input_ids: torch.Tensor) -> list[str]:
-    """The names of the modules whose forward runs, in order (what ZeRO-3 traces), in one forward."""
-    names = {id(module): name for name, module in model.named_modules()}
-    ran: list[str] = []
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, _: ran.append(names.get(id(m), "?")))
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        hook.remove()
-    return ran
 
 
 def test_outside_the_leaf_modules_every_moe_type_runs_the_same_modules_whatever_the_tokens():
