@@ -215,15 +215,17 @@ class Agreement:
             self.liveness_s)
 
     def check(self, phase: str, error: BaseException | None = None, same: dict | None = None,
-              differs: str = "are not loading the same checkpoint", error_type: type = errors.CheckpointError) -> None:
+              differs: str = "are not loading the same checkpoint", error_type: type = errors.CheckpointError,
+              hints: dict[str, str] | None = None) -> None:
         """Every rank calls this at the same points; raise on every rank if `error` is set on any rank, or if
-        `same` (label -> value) differs from the first rank's (then `error_type`: "ranks A and B {differs}: ...")."""
+        `same` (label -> value) differs from the first rank's (then `error_type`: "ranks A and B {differs}: ...",
+        ending with `hints[label]` where given)."""
         if isinstance(error, AgreedFailure):
             raise error
         key = f"{self.prefix}/point{next(self.points)}"
         try:
             if error is None and same is not None:
-                error = self._compare(key, same, differs, error_type)
+                error = self._compare(key, same, differs, error_type, hints or {})
             if error is not None:
                 payload = json.dumps([self.rank, type(error).__module__, type(error).__qualname__, str(error)])
                 self.store.compare_set(f"{key}/error", "", payload)  # the first failure wins
@@ -273,7 +275,7 @@ class Agreement:
         except Exception as e:
             raise _store_lost(e) from e
 
-    def _compare(self, key: str, same: dict, differs: str, error_type: type) -> BaseException | None:
+    def _compare(self, key: str, same: dict, differs: str, error_type: type, hints: dict) -> BaseException | None:
         mine = {"rank": self.rank, "values": same}
         stored = self.store.compare_set(f"{key}/reference", "", json.dumps(mine)).decode()
         reference = json.loads(stored)
@@ -286,7 +288,8 @@ class Agreement:
                     f"ranks {reference['rank']} and {self.rank} {differs}: "
                     f"{label} differs ({_short(theirs.get(label))} on rank {reference['rank']}, "
                     f"{_short(same.get(label))} on rank {self.rank})"
-                    + ("; give every rank the same copy" if "checkpoint" in differs else ""))
+                    + (f"; {hints[label]}" if label in hints
+                       else "; give every rank the same copy" if "checkpoint" in differs else ""))
         return None
 
     @contextmanager

@@ -126,7 +126,8 @@ class Zero3Load:
             checkpoint = (checkpoint_from_state_dict(state_dict, streamed=self.stream is not None)
                           if state_dict is not None else self._open_checkpoint(checkpoint_files, load_config))
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
-            self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint))
+            self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint),
+                                 hints=IDENTITY_HINTS)
         with self.report.phase("plan"):
             partitioner = self.partitioner = Zero3Partitioner(self.setup.config)
             world = partitioner.world_group()
@@ -413,13 +414,22 @@ class Zero3Load:
         return loading_info
 
 
+CONFIG = "the config (config.json with this call's config arguments)"
+# what to do when it differs: the model class and config arguments come from the call, not from the files
+IDENTITY_HINTS = {"the model class": "call from_pretrained with the same model class on every rank",
+                  CONFIG: "give every rank the same copy and the same config arguments"}
+
+
 def checkpoint_identity(model, load_config, checkpoint) -> dict:
-    """What every rank must agree on before planning: the config transformers built, the index, and every file's
-    size, header and sampled data, or a `state_dict`'s fingerprint (each rank's is compared with the first rank's)."""
+    """What every rank must agree on before planning: the model class, the config transformers built, the index,
+    and every file's size, header and sampled data, or a `state_dict`'s fingerprint (each rank's is compared with
+    the first rank's). Ranks that built different models would partition different parameters: a hang later. (The
+    class by name: remote code's module is named after the folder, which may differ from node to node.)"""
     config = {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_")}
     weight_map = (load_config.sharded_metadata or {}).get("weight_map")
     digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
-    return {"config.json": digest(config), "the list of files": digest(sorted(checkpoint.fingerprints)),
+    return {"the model class": type(model).__qualname__, CONFIG: digest(config),
+            "the list of files": digest(sorted(checkpoint.fingerprints)),
             "the index": digest(weight_map) if weight_map else "none",
             **{(name if name in (STATE_DICT, STATE_DICT_VALUES) else f"file {name}"): value
                for name, value in sorted(checkpoint.fingerprints.items())}}

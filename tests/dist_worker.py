@@ -279,7 +279,8 @@ def run_case(case: dict) -> dict:
 
     import hf_zero3_loader
 
-    class_name = case.get("model_class", "AutoModelForCausalLM")
+    class_name = case.get("model_class_by_rank", {}).get(str(dist.get_rank()),  # a rank that builds another model
+                                                         case.get("model_class", "AutoModelForCausalLM"))
     if ":" in class_name:  # "module:Class", e.g. tests.custom_models:MetaHostileLlamaForCausalLM
         import importlib
 

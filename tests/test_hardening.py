@@ -58,11 +58,17 @@ def copies(workdir):
     return {"base": base, "values": other_values, "split": other_split, "config": other_config}
 
 
-def test_ranks_with_different_copies_fail_alike_naming_what_differs(copies, workdir):
+def test_ranks_with_different_copies_or_models_fail_alike_naming_what_differs(copies, workdir):
+    """Different files, or the same files built into different models (a config argument, a model class, on one
+    rank only): each rank would partition other parameters, and hang later in training."""
+    config = "the config (config.json with this call's config arguments) differs"
     expectations = {"values": "file model.safetensors differs", "split": "the list of files differs",
-                    "config": "config.json differs"}
-    cases = [{"name": name, "path": copies["base"], "path_by_rank": {"1": copies[name]}, "dtype": "float32",
-              "out": os.path.join(workdir, f"copies_{name}.pt")} for name in expectations]
+                    "config": config, "config_argument": config, "model_class": "the model class differs"}
+    by_rank = {"config_argument": {"kwargs_by_rank": {"1": {"num_hidden_layers": 1}}},
+               "model_class": {"model_class_by_rank": {"1": "AutoModel"}}}
+    cases = [{"name": name, "path": copies["base"], "dtype": "float32",
+              "out": os.path.join(workdir, f"copies_{name}.pt"),
+              **(by_rank[name] if name in by_rank else {"path_by_rank": {"1": copies[name]}})} for name in expectations]
     for case, ranks in zip(cases, run_ranks(2, cases, workdir)):
         error = _same_error_on(ranks, [0, 1])
         assert error["type"] == "CheckpointError", error
