@@ -409,8 +409,13 @@ class _Save:
             except Exception as e:
                 error = e
             with report.phase("agree"):
-                agreement.check("plan the save", error, same=None if error else {"the files": self.digest},
-                                differs="are not saving the same model")
+                # what the files hold, and how ranks stream to the writers: a rank deciding alone would wait for
+                # bytes nobody sends, or leave its partitions unwritten in a checkpoint the writer publishes
+                same = {"the planned files (from the model, max_shard_size, variant, file_layout, "
+                        "save_original_format)": self.digest,
+                        "write_mode": self.write_mode, "stream_chunk_bytes": self.chunk_bytes}
+                agreement.check("plan the save", error, same=None if error else same,
+                                differs="did not call save_pretrained alike", error_type=ConfigError)
                 writer = self._writer_rank()
             report.writer_rank = writer
             self._with_temp_folder(writer, private)

@@ -475,9 +475,12 @@ def run_case(case: dict) -> dict:
 def save_case(case: dict, target, model, result: dict) -> None:
     """hf_zero3_loader.save_pretrained(target, ...) on every rank, counting collectives and allocations; then the
     parameters as trained (gathered), and on rank 0 transformers' own save_pretrained of them (the reference)."""
+    import torch.distributed as dist
+
     import hf_zero3_loader
 
     spec = case["save"]
+    kwargs = {**spec.get("kwargs", {}), **spec.get("kwargs_by_rank", {}).get(str(dist.get_rank()), {})}
     undo_fault = inject_save_fault(case)
     counter, largest = CollectiveCounter(), LargestAllocation()
     try:
@@ -485,10 +488,10 @@ def save_case(case: dict, target, model, result: dict) -> None:
             if spec.get("direct"):  # the model's own save_pretrained, routed by `import hf_zero3_loader.auto`
                 import hf_zero3_loader.auto  # noqa: F401
 
-                model.save_pretrained(spec["dir"], **spec.get("kwargs", {}))
+                model.save_pretrained(spec["dir"], **kwargs)
                 report = None
             else:
-                report = hf_zero3_loader.save_pretrained(target, spec["dir"], **spec.get("kwargs", {}))
+                report = hf_zero3_loader.save_pretrained(target, spec["dir"], **kwargs)
     except Exception as e:
         result["save_error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
                                 "message": str(e), "traceback": traceback.format_exc()}
