@@ -330,6 +330,9 @@ CASES = {
                                         "False on rank 0", "True on rank 1"]),
     "stream_chunk_bytes_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"stream_chunk_bytes": 4096}}}, None,
                                              "ConfigError", ["stream_chunk_bytes differs", "4096 on rank 1"]),
+    # it sizes the missing-key init's gathers: unlike sizes ended in a transport timeout
+    "missing_init_budget_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"missing_init_budget_bytes": 1}}},
+                                              None, "ConfigError", ["missing_init_budget_bytes differs", "1 on rank 1"]),
 }
 
 
