@@ -14,6 +14,7 @@ parameters an adapter save writes; only those are gathered, and PEFT writes its 
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 from contextlib import contextmanager
 
@@ -75,7 +76,12 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
                     "names); put the adapter on other modules (attention, shared experts)")
         except Exception as e:  # agreed on below: every rank raises it, none waits in the gather
             error = e
-        agreement.check("save the PEFT adapter", error)
+        # the tensors each rank gathers, module by module: unlike lists (another `selected_adapters` on one rank)
+        # would pair one rank's gather with another's
+        same = None if error else {"the adapter tensors to gather": hashlib.sha256(
+            "\n".join(sorted(names)).encode()).hexdigest()[:16]}
+        agreement.check("save the PEFT adapter", error, same=same, differs="are not saving the same adapter",
+                        error_type=ConfigError)
         keep = on_every_rank or dist.get_rank() == 0
         state: dict[str, torch.Tensor] = {}
         with agreement.collective_section("gather the PEFT adapter"):

@@ -176,6 +176,9 @@ class Zero3Load:
                 for t in plan.tensors.values():
                     if t.status == "load" and source is not None:
                         t.byte_source = f"rank {source}"
+        with self.report.phase("agree"):  # the same files, resolved alike (before any rank streams or gathers)
+            self.agreement.check("resolve the checkpoint keys", same={RESOLUTION: resolution.fingerprint()},
+                                 hints=IDENTITY_HINTS)
         with self.report.phase("allocate"):
             destinations = self._allocate(model, plan, partitioner)
             if layout is not None:
@@ -415,9 +418,12 @@ class Zero3Load:
 
 
 CONFIG = "the config (config.json with this call's config arguments)"
+RESOLUTION = "which checkpoint keys load into which tensors (key_mapping, transformers' conversions)"
 # what to do when it differs: the model class and config arguments come from the call, not from the files
 IDENTITY_HINTS = {"the model class": "call from_pretrained with the same model class on every rank",
-                  CONFIG: "give every rank the same copy and the same config arguments"}
+                  CONFIG: "give every rank the same copy, config arguments and transformers version (config.json "
+                          "records it)",
+                  RESOLUTION: "give every rank the same key_mapping"}
 
 
 def checkpoint_identity(model, load_config, checkpoint) -> dict:

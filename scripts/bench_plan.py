@@ -77,6 +77,7 @@ def _timed_steps(folder: str, world_size: int, ep_size: int):
     seconds["headers"] = time.perf_counter() - t
     t = time.perf_counter()
     resolution = resolve_checkpoint(model, checkpoint, get_model_conversion_mapping(model), model._get_dtype_plan(dtype))
+    resolution.fingerprint()  # what the ranks agree on before reading
     seconds["resolve"] = time.perf_counter() - t
     t = time.perf_counter()
     world = PartitionGroup(WORLD, world_size, 0)

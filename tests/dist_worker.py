@@ -424,10 +424,13 @@ def run_case(case: dict) -> dict:
         try:  # what Trainer.save_model writes the adapter from, with the import
             from hf_zero3_loader.peft_adapters import adapter_state_dict
 
-            adapter = adapter_state_dict(model)
+            # a rank may select other adapters (`selected_adapters`): the ranks must refuse it alike
+            adapter = adapter_state_dict(model, case.get("adapters_by_rank", {}).get(str(dist.get_rank())))
             result["adapter_state"] = adapter
         except Exception as e:
             result["adapter_error"] = {"type": type(e).__name__, "message": str(e)}
+            if case.get("adapters_by_rank"):
+                return result
     if case.get("train_steps"):
         try:
             with warnings:  # the config given to deepspeed.initialize: the load's, unless the case gives another

@@ -459,7 +459,13 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     dense = {**cases[0], "name": "lora, ZeRO-3", "ds_config": ds_config_for("bfloat16"), "generate": False,
              "second_adapter": {"r": 2, "target_modules": ["v_proj"], "init_lora_weights": False}, "train_steps": 2,
              "out": os.path.join(workdir, "lora_zero3.pt")}
-    *dumps_, on_experts, blocks, plain_zero3 = run_torchrun(2, cases + over_experts + [dense], workdir)
+    # one rank selecting other adapters to save than the others would gather other tensors: refused alike
+    unlike = {**dense, "name": "unlike selections", "train_steps": 0, "adapters_by_rank": {"1": ["other"]},
+              "out": os.path.join(workdir, "lora_unlike_selections.pt")}
+    *dumps_, on_experts, blocks, plain_zero3, unlike = run_torchrun(2, cases + over_experts + [dense, unlike], workdir)
+    errors = [r["adapter_error"] for r in unlike["ranks"]]
+    assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
+    assert "are not saving the same adapter: the adapter tensors to gather differs" in errors[0]["message"], errors
     for case, dump in zip(cases, dumps_):
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
         assert len(dump["rank0"]["losses"]) == 3 and dump["rank0"]["losses"] == dumps_[-1]["rank0"]["losses"], case["name"]

@@ -60,12 +60,17 @@ def copies(workdir):
 
 def test_ranks_with_different_copies_or_models_fail_alike_naming_what_differs(copies, workdir):
     """Different files, or the same files built into different models (a config argument, a model class, on one
-    rank only): each rank would partition other parameters, and hang later in training."""
+    rank only: each rank would partition other parameters, and hang later in training) or resolved differently."""
     config = "the config (config.json with this call's config arguments) differs"
     expectations = {"values": "file model.safetensors differs", "split": "the list of files differs",
-                    "config": config, "config_argument": config, "model_class": "the model class differs"}
+                    "config": config, "config_argument": config, "model_class": "the model class differs",
+                    "key_mapping": "which checkpoint keys load into which tensors (key_mapping, transformers' "
+                                   "conversions) differs"}
+    swap_layers = {r"layers\.0\.": "layers.9.", r"layers\.1\.": "layers.0.", r"layers\.9\.": "layers.1."}
     by_rank = {"config_argument": {"kwargs_by_rank": {"1": {"num_hidden_layers": 1}}},
-               "model_class": {"model_class_by_rank": {"1": "AutoModel"}}}
+               "model_class": {"model_class_by_rank": {"1": "AutoModel"}},
+               # each rank's partitions of layer 0 from another layer's keys: mixed weights, silently, before
+               "key_mapping": {"kwargs_by_rank": {"1": {"key_mapping": swap_layers}}}}
     cases = [{"name": name, "path": copies["base"], "dtype": "float32",
               "out": os.path.join(workdir, f"copies_{name}.pt"),
               **(by_rank[name] if name in by_rank else {"path_by_rank": {"1": copies[name]}})} for name in expectations]

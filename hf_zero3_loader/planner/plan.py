@@ -9,6 +9,8 @@ built for any rank on any process, inspected and tested without reading a byte o
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections import defaultdict
 from copy import deepcopy
@@ -213,6 +215,15 @@ class Resolution:
     # checkpoint key -> its leading elements the model holds: the rest is padding a conversion drops when loading
     # and whose reverse writes zeros when saving (Inkling2's padded unembedding)
     zero_padded: dict[str, int] = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        """Which checkpoint keys load into which model tensor, in which dtype, and what is left over: ranks that
+        resolve the same files differently (another `key_mapping`, another transformers) would fill one tensor's
+        partitions from different keys."""
+        dtypes = {target: str(dtype) for target, (_, dtype) in self.converted.items()}
+        text = json.dumps([self.inputs, dtypes, sorted(self.unexpected_keys), sorted(map(str, self.mismatched_keys))],
+                          sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
