@@ -87,14 +87,24 @@ def _from_accelerate_env() -> tuple[dict, bool] | None:
         plugin.set_mixed_precision(os.environ.get("ACCELERATE_MIXED_PRECISION", "no"))
     except ValueError as e:  # what the script's Accelerator() would raise
         raise ConfigError(f"the DeepSpeed config of this accelerate launch: {e}") from e
-    config = copy.deepcopy(plugin.deepspeed_config)
+    config = with_auto_batch_sizes_resolved(plugin.deepspeed_config)
+    _warn_of_unforwarded_nvme_path(config)
+    return config, bool(plugin.zero3_init_flag)
+
+
+def with_auto_batch_sizes_resolved(config: dict) -> dict:
+    """A copy of `config` whose "auto" batch sizes are resolved as accelerate resolves them for `zero.Init`
+    (`DeepSpeedPlugin.set_deepspeed_weakref`): the partitions do not depend on them, and DeepSpeed's config parser
+    fails on the string ("'>' not supported between instances of 'str' and 'int'"). A config written for the
+    Trainer (transformers' docs' ds_config_zero3.json) says "auto" until the Trainer fills it in; the engine gets the
+    caller's own config."""
+    config = copy.deepcopy(config)
     for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
         if config.get(key, "auto") == "auto":
             config[key] = 1
     if config.get("train_batch_size") == "auto":
         del config["train_batch_size"]
-    _warn_of_unforwarded_nvme_path(config)
-    return config, bool(plugin.zero3_init_flag)
+    return config
 
 
 def _warn_of_unforwarded_nvme_path(config: dict) -> None:
@@ -128,15 +138,15 @@ def accelerate_deepspeed_plugins() -> list:
 def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup | None:
     if ds_config is not None:
         config = _load_json(ds_config) if isinstance(ds_config, (str, os.PathLike)) else dict(ds_config)
-        return DeepSpeedSetup(config, "ds_config argument")
+        return DeepSpeedSetup(with_auto_batch_sizes_resolved(config), "ds_config argument")
     from transformers.integrations.deepspeed import deepspeed_config
 
-    if deepspeed_config() is not None:
-        return DeepSpeedSetup(deepspeed_config(), "transformers HfDeepSpeedConfig")
+    if deepspeed_config() is not None:  # the Trainer's has its batch sizes filled in; one built by hand may not
+        return DeepSpeedSetup(with_auto_batch_sizes_resolved(deepspeed_config()), "transformers HfDeepSpeedConfig")
     plugins = accelerate_deepspeed_plugins()
     plugin = plugins[0] if len(plugins) == 1 else next((p for p in plugins if getattr(p, "selected", False)), None)
     if plugin is not None and getattr(plugin, "deepspeed_config", None):  # of several named plugins: the active one
-        return DeepSpeedSetup(plugin.deepspeed_config, "accelerate AcceleratorState",
+        return DeepSpeedSetup(with_auto_batch_sizes_resolved(plugin.deepspeed_config), "accelerate AcceleratorState",
                               zero_init=bool(getattr(plugin, "zero3_init_flag", True)))
     found = _from_accelerate_env()
     return DeepSpeedSetup(found[0], "accelerate launch environment", zero_init=found[1]) if found else None

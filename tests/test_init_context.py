@@ -22,6 +22,19 @@ def _plain_state(path, dtype=torch.float32):
                                         *model.named_buffers(remove_duplicate=False)]}
 
 
+# transformers' docs' ds_config_zero3.json: "auto" wherever the Trainer fills in a value
+TRAINER_STYLE_CONFIG = {
+    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
+                          "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+
+
 @pytest.fixture(scope="module")
 def dumps(workdir):
     qwen = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
@@ -43,6 +56,8 @@ def dumps(workdir):
         {"name": "meta_hostile_in_callers_zero_init", "path": llama, "dtype": "float32", "callers_zero_init": {},
          "model_class": "tests.custom_models:MetaHostileLlamaForCausalLM",
          "out": os.path.join(workdir, "ctx_callers_hostile.pt")},
+        {"name": "trainer_style_config", "path": qwen, "dtype": "float32", "ds_config": TRAINER_STYLE_CONFIG,
+         "out": os.path.join(workdir, "ctx_trainer_style.pt")},
     ]
     return {c["name"]: d for c, d in zip(cases, run_torchrun(2, cases, workdir))}
 
@@ -82,6 +97,22 @@ def test_init_context_can_be_forced(dumps, workdir):
     ref = _plain_state(os.path.join(workdir, "qwen3_moe"))
     for name, expected in ref.items():
         assert torch.equal(got["state"][name], expected), name
+
+
+def test_a_config_written_for_the_trainer_loads_as_the_plain_load(dumps, workdir):
+    """Its "auto" batch sizes are resolved as accelerate resolves them for `zero.Init` (DeepSpeed's config parser
+    failed on the strings: "'>' not supported between instances of 'str' and 'int'")."""
+    from hf_zero3_loader.deepspeed_setup import find_deepspeed_setup
+
+    got = dumps["trainer_style_config"]["rank0"]
+    assert "error" not in got, got.get("error", {}).get("traceback")
+    assert got["report"]["init_context"] == "zero3-meta"
+    ref = _plain_state(os.path.join(workdir, "qwen3_moe"))
+    for name, expected in ref.items():
+        assert got["state"][name].dtype == expected.dtype and torch.equal(got["state"][name], expected), name
+    config = find_deepspeed_setup(TRAINER_STYLE_CONFIG).config
+    assert config["train_micro_batch_size_per_gpu"] == config["gradient_accumulation_steps"] == 1
+    assert "train_batch_size" not in config and TRAINER_STYLE_CONFIG["train_batch_size"] == "auto"  # a copy
 
 
 def test_deepspeed_config_is_found_where_transformers_and_accelerate_put_it(tmp_path, monkeypatch):
