@@ -30,7 +30,14 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
     from .planner.inspect import plan_ranks
     from .planner.memory import GiB, predict
 
+    from .deepspeed_setup import DeepSpeedSetup
+    from .errors import ConfigError
+
     ds_config = ds_config or {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    stage = DeepSpeedSetup(ds_config, "--ds-config").stage
+    if stage != 3:  # its predictions are of partitions; under ZeRO-0/1/2 the load has none
+        raise ConfigError(f"plan predicts ZeRO-3 loads, and this DeepSpeed config is ZeRO stage {stage}: there every "
+                          "rank loads the whole model onto its device, as transformers does")
     section = ds_config.get("expert_parallel") or {}  # a preset or custom patterns named for the model
     request = request_from(ds_config, ep_size, None, world_size)  # as a load merges --ep-size and the config's
     ep_size = request.ep_size if request is not None else None

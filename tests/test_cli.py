@@ -293,3 +293,15 @@ def test_plan_says_the_load_refuses_a_head_whose_body_transformers_does_not_map(
     report = plan_report(path, 2, None, None, None, "cuda", AutoModelForQuestionAnswering)
     assert any("transformer.embed_tokens.weight <- model.embed_tokens.weight" in w and "ConversionMismatchError" in w
                for w in report["warnings"]), report["warnings"]
+
+
+def test_plan_refuses_a_config_that_is_not_zero3_saying_what_the_load_does_there(workdir, tmp_path, capsys):
+    """Under ZeRO-0/1/2 every rank loads the whole model: no partitions to predict (it printed ZeRO-3 figures)."""
+    from hf_zero3_loader.cli import main
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    config = tmp_path / "zero2.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    assert main(["plan", path, "--world-size", "2", "--ds-config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "ZeRO stage 2: there every rank loads the whole model" in err, err
