@@ -26,12 +26,11 @@ def plan_report(checkpoint: str, world_size: int, ep_size: int | None = None, ds
     """Everything `plan` prints, as a dict (what `--json` writes). Reads only the config and the headers.
     `load_kwargs`: where the checkpoint is and which code builds it (subfolder, revision, variant, use_safetensors,
     trust_remote_code), as given to `from_pretrained`."""
+    from .deepspeed_setup import DeepSpeedSetup
+    from .errors import ConfigError
     from .expert_parallel import request_from, structure_named, supported_model_types
     from .planner.inspect import plan_ranks
     from .planner.memory import GiB, predict
-
-    from .deepspeed_setup import DeepSpeedSetup
-    from .errors import ConfigError
 
     ds_config = ds_config or {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
     stage = DeepSpeedSetup(ds_config, "--ds-config").stage
