@@ -84,6 +84,40 @@ def test_ranks_with_different_copies_or_models_fail_alike_naming_what_differs(co
         assert error["seconds"] < 60
 
 
+# An argument one rank passes alone either changes nothing (this rank's threads, buffers, timeouts, the kernels it
+# computes with, what it reports) or fails the load alike on every rank: never a load that differs from the plain one.
+ARGUMENTS_OF_ONE_RANK = {
+    "read_threads": (1, "loads"), "staging_bytes": (4096, "loads"), "liveness_timeout_s": (20, "loads"),
+    "agreement_timeout_s": (100, "loads"), "attn_implementation": ("eager", "loads"),
+    "experts_implementation": ("eager", "loads"), "output_loading_info": (True, "loads"),
+    "ignore_mismatched_sizes": (True, "loads"),  # nothing mismatched
+    "dtype": ("bfloat16", "loads"),  # the engine's dtype wins, with a warning, as on transformers' path
+    "strict_dtype": (True, None),  # it refuses that dtype: on this rank first, then on every rank
+    "allow_suspicious_missing_keys": (True, "allow_suspicious_missing_keys differs"),
+    "load_from": ("read", "load_from differs"),
+}
+
+
+def test_an_argument_one_rank_passes_alone_changes_nothing_or_fails_the_load_on_every_rank(workdir):
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    cases = [{"name": name, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"alone_{name}.pt"),
+              "kwargs_by_rank": {"1": {name: value, **({"dtype": "bfloat16"} if name == "strict_dtype" else {})}}}
+             for name, (value, _) in ARGUMENTS_OF_ONE_RANK.items()]
+    plain = _plain(path)
+    for case, ranks in zip(cases, run_ranks(2, cases, workdir)):
+        name, (_, outcome) = case["name"], ARGUMENTS_OF_ONE_RANK[case["name"]]
+        if outcome == "loads":
+            assert not any("error" in r for r in ranks), (name, [r.get("error") for r in ranks])
+            got = torch.load(case["out"], weights_only=False)["rank0"]["state"]  # the per-rank dumps hold no state
+            assert got.keys() == plain.keys(), name
+            for key, expected in plain.items():
+                assert got[key].dtype == expected.dtype and torch.equal(got[key], expected), (name, key)
+        else:
+            error = _same_error_on(ranks, [0, 1])
+            assert error["type"] == "ConfigError" and (outcome is None or outcome in error["message"]), (name, error)
+            assert error["seconds"] < 60, (name, error)
+
+
 # -- liveness ----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
