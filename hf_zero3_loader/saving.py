@@ -37,7 +37,8 @@ from . import _deepspeed_private as ds_private
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import Agreement
-from .checkpoint import INDEX_NAMES, Checkpoint, PlannedFile, plan_safetensors_file
+from .checkpoint import (INDEX_NAMES, SINGLE_NAMES, Checkpoint, PlannedFile, plan_safetensors_file,
+                         with_variant)
 from .deepspeed_setup import local_device
 from .errors import CheckpointError, ConfigError, LoaderError
 from .expert_parallel import loaded_layout
@@ -618,7 +619,9 @@ class _Save:
 
     def _publish(self) -> None:
         """Move the finished files into place: the temporary folder renamed, or its files moved into the existing
-        folder with the weights first and config, then the index (or the single weights file) last."""
+        folder with the weights first and config, then the index (or the single weights file) last. An earlier
+        save's weights there go: its numbered shards (as transformers' save_pretrained removes them), and its single
+        weights file or index, which transformers leaves; its single file would shadow the new shards on loading."""
         final, temp = self.report.folder, self.temp
         os.remove(os.path.join(temp, TOKEN_FILE))
         if not self.into_existing:
@@ -628,18 +631,24 @@ class _Save:
             self.temp = None
             return
         names = os.listdir(temp)
-        last = [n for n in ("config.json", *INDEX_NAMES) if n in names]
+        index, single = with_variant(INDEX_NAMES[0], self.variant), with_variant(SINGLE_NAMES[0], self.variant)
+        last = [n for n in ("config.json", index) if n in names]
         weights = sorted(n for n in names if n in self.files and n not in last)
         order = weights + sorted(n for n in names if n not in weights and n not in last) + last
         if len(self.files) == 1:  # the single weights file marks the checkpoint complete: it goes last
             order = [n for n in order if n not in self.files] + list(self.files)
         for name in order:
             target = os.path.join(final, name)
+            if name == index and os.path.isfile(os.path.join(final, single)):
+                # an earlier save's single file: transformers (and this loader) would load it, not these shards
+                os.remove(os.path.join(final, single))
             if os.path.isdir(target) and not os.path.islink(target):
                 shutil.rmtree(target)
             os.replace(os.path.join(temp, name), target)
         if self.file_layout == "transformers":
             _remove_stale_shards(final, set(self.files), self.variant)
+        if index not in names and os.path.isfile(os.path.join(final, index)):  # an earlier save's, naming its shards
+            os.remove(os.path.join(final, index))
         os.rmdir(temp)
         self.temp = None
 

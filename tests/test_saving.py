@@ -207,24 +207,30 @@ def test_ranks_that_call_save_pretrained_differently_fail_alike_and_publish_noth
 
 
 def test_saving_into_a_folder_with_other_files_replaces_the_checkpoint_and_keeps_the_rest(workdir):
-    case = save_case(workdir, 2, "llama_untied", None, "bfloat16", "20KB")
-    folder = case["save"]["dir"] = os.path.join(workdir, "saved_existing")
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.rmtree(folder + ".reference", ignore_errors=True)
-    os.makedirs(os.path.join(folder, "checkpoint-10"))
-    stale = ["model-00001-of-00009.safetensors", "model-00009-of-00009.safetensors"]
-    for name in [*stale, "tokenizer.json", "model.safetensors.index.json", "checkpoint-10/optimizer.pt"]:
-        with open(os.path.join(folder, name), "w") as f:
-            f.write("old")
-    case["out"] = os.path.join(workdir, "save_existing.pt")
-    dump = run_torchrun(2, [case], workdir)[0]
-    assert "save_error" not in dump["rank0"], dump["rank0"].get("save_error")
-    kept = {"tokenizer.json", "checkpoint-10"}
-    assert kept <= set(os.listdir(folder)) and not set(stale) & set(os.listdir(folder))
-    reference = folder + ".reference"
-    for name in kept:
-        shutil.move(os.path.join(folder, name), os.path.join(workdir, "kept_" + name))
-    same_files(folder, reference)
+    """Into a folder holding an earlier save and other files: the earlier save's weights go, whichever form they had
+    (an earlier single file left beside new shards is what transformers and this loader would load: transformers'
+    own save_pretrained leaves it, and the index of earlier shards beside a new single file); the rest stays."""
+    cases, kept = [], {"tokenizer.json", "checkpoint-10"}
+    for shard, earlier in (("20KB", ["model-00001-of-00009.safetensors", "model-00009-of-00009.safetensors",
+                                     "model.safetensors.index.json", "model.safetensors"]),
+                           ("50GB", ["model-00001-of-00002.safetensors", "model.safetensors.index.json"])):
+        case = save_case(workdir, 2, "llama_untied", None, "bfloat16", shard)
+        folder = case["save"]["dir"] = os.path.join(workdir, f"saved_existing_{shard}")
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder + ".reference", ignore_errors=True)
+        os.makedirs(os.path.join(folder, "checkpoint-10"))
+        for name in [*earlier, "tokenizer.json", "checkpoint-10/optimizer.pt"]:
+            with open(os.path.join(folder, name), "w") as f:
+                f.write("old")
+        case.update(name=f"existing_{shard}", out=os.path.join(workdir, f"save_existing_{shard}.pt"))
+        cases.append(case)
+    for case, dump in zip(cases, run_torchrun(2, cases, workdir)):
+        assert "save_error" not in dump["rank0"], dump["rank0"].get("save_error")
+        folder = case["save"]["dir"]
+        assert kept <= set(os.listdir(folder)), os.listdir(folder)
+        for name in kept:
+            shutil.move(os.path.join(folder, name), os.path.join(workdir, f"kept_{case['name']}_{name}"))
+        same_files(folder, folder + ".reference")  # transformers' save into a new folder: no earlier file left
 
 
 def test_ranks_that_cannot_see_the_folder_stream_their_partitions_to_a_rank_that_can(workdir):
