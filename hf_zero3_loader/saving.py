@@ -412,10 +412,10 @@ class _Save:
             with report.phase("agree"):
                 # what the files hold, and how ranks stream to the writers: a rank deciding alone would wait for
                 # bytes nobody sends, or leave its partitions unwritten in a checkpoint the writer publishes
-                same = {"the planned files (from the model, max_shard_size, variant, file_layout, "
-                        "save_original_format)": self.digest,
-                        "write_mode": self.write_mode, "stream_chunk_bytes": self.chunk_bytes}
-                agreement.check("plan the save", error, same=None if error else same,
+                same = None if error else {"the planned files (from the model, max_shard_size, variant, file_layout, "
+                                           "save_original_format)": self.digest,
+                                           "write_mode": self.write_mode, "stream_chunk_bytes": self.chunk_bytes}
+                agreement.check("plan the save", error, same=same,
                                 differs="did not call save_pretrained alike", error_type=ConfigError)
                 writer = self._writer_rank()
             report.writer_rank = writer
