@@ -181,27 +181,34 @@ def test_a_failing_or_dead_rank_leaves_no_checkpoint_and_every_rank_raises_the_s
     assert os.listdir(parent) == [], os.listdir(parent)  # no temporary folder left behind
 
 
-def test_ranks_that_call_save_pretrained_differently_fail_alike_and_publish_nothing(workdir):
-    """A rank asking for another write mode once left its partitions unwritten in the folder the writer published
-    (zeros, no error there; the other rank timed out). The arguments that shape the files or the streams agree first."""
+def test_save_arguments_refused_or_unlike_across_ranks_fail_alike_and_publish_nothing(workdir):
+    """Refused arguments, and arguments that shape the files or the streams given on one rank only. A rank asking
+    for another write mode once left its partitions unwritten in the folder the writer published (zeros, no error
+    there; the other rank timed out); the arguments now agree first."""
     parent = os.path.join(workdir, "saved_unlike")
     shutil.rmtree(parent, ignore_errors=True)
     os.makedirs(parent)
-    expected = {"write_mode": "write_mode differs (",  # the first rank to arrive is the reference: either order
-                "max_shard_size": "the planned files (from the model, max_shard_size, variant, file_layout, "
-                                  "save_original_format) differs"}
+    unlike = "did not call save_pretrained alike: "
+    expected = {  # name: (arguments of every rank, of rank 1 only, what the error says)
+        "write_mode": ({}, {"write_mode": "stream"}, unlike + "write_mode differs ("),
+        "max_shard_size": ({}, {"max_shard_size": "20KB"}, unlike + "the planned files (from the model, "
+                           "max_shard_size, variant, file_layout, save_original_format) differs"),
+        "safe_serialization": ({"safe_serialization": False}, {}, "writes safetensors only"),
+        "push_to_hub": ({"push_to_hub": True}, {}, "push_to_hub is not supported"),
+        "state_dict": ({"state_dict": {}}, {}, "a `state_dict` would have to be gathered first"),
+    }
     cases = []
-    for argument, value in (("write_mode", "stream"), ("max_shard_size", "20KB")):
+    for name, (every, alone, _) in expected.items():
         case = save_case(workdir, 2, "llama_untied", None, "float32", "50GB", train_steps=0)
-        case["save"] = {"dir": os.path.join(parent, argument), "kwargs_by_rank": {"1": {argument: value}}}
-        case.update(name=argument, out=os.path.join(workdir, f"save_unlike_{argument}.pt"))
+        case["save"] = {"dir": os.path.join(parent, name), "kwargs": every, "kwargs_by_rank": {"1": alone}}
+        case.update(name=name, out=os.path.join(workdir, f"save_unlike_{name}.pt"))
         cases.append(case)
     for case, ranks in zip(cases, run_ranks(2, cases, workdir, timeout=300)):
         errors = [r["save_error"] for r in ranks]
         assert len({(e["type"], e["message"]) for e in errors}) == 1, errors
-        assert "ConfigError" in errors[0]["mro"] and "did not call save_pretrained alike" in errors[0]["message"]
-        assert expected[case["name"]] in errors[0]["message"], errors[0]["message"]
-        if case["name"] == "write_mode":
+        assert "ConfigError" in errors[0]["mro"], errors[0]
+        assert expected[case["name"]][2] in errors[0]["message"], errors[0]["message"]
+        if case["name"] == "write_mode":  # the first rank to arrive is the reference: either order
             assert "auto on rank 0" in errors[0]["message"] and "stream on rank 1" in errors[0]["message"]
     assert os.listdir(parent) == [], os.listdir(parent)
 
