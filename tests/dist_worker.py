@@ -6,6 +6,8 @@ Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optiona
 "load_again"(optional: a second model loaded the same way, kept while the first is gathered and trained),
 "callers_zero_init"(optional: {"dtype"}: the load inside the script's own `with deepspeed.zero.Init(...)`),
 "peft_adapter"(optional: an adapter folder PEFT's `PeftModel.from_pretrained` loads over the model)}.
+What one rank does differently (keys: the rank as a string): "path_by_rank", "kwargs_by_rank", "model_class_by_rank",
+"ds_config_by_rank", "adapters_by_rank", and the save's own "kwargs_by_rank".
 Rank 0 writes `out` (torch.save) with every gathered parameter and buffer, the loading report, and
 the collectives each rank saw during the load (with "all_ranks_state", every rank's gathered state: under expert
 parallelism each rank gathers its own experts).

@@ -462,8 +462,9 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
     # one rank selecting other adapters to save than the others would gather other tensors: refused alike
     unlike = {**dense, "name": "unlike selections", "train_steps": 0, "adapters_by_rank": {"1": ["other"]},
               "out": os.path.join(workdir, "lora_unlike_selections.pt")}
-    *dumps_, on_experts, blocks, plain_zero3, unlike = run_torchrun(2, cases + over_experts + [dense, unlike], workdir)
-    errors = [r["adapter_error"] for r in unlike["ranks"]]
+    *dumps_, on_experts, blocks, plain_zero3, unlike_selections = run_torchrun(
+        2, cases + over_experts + [dense, unlike], workdir)
+    errors = [r["adapter_error"] for r in unlike_selections["ranks"]]
     assert errors[0] == errors[1] and errors[0]["type"] == "ConfigError", errors
     assert "are not saving the same adapter: the adapter tensors to gather differs" in errors[0]["message"], errors
     for case, dump in zip(cases, dumps_):
