@@ -273,7 +273,9 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             # the partitions' dtypes (DeepSpeed gathers them as one), and the chunks a reader and receiver cut alike
             "keep_in_fp32": bool(keep_in_fp32), "stream_chunk_bytes": chunk_bytes,
             # the missing-key init's gathers, wave by wave, and whether a suspicious load goes ahead at all
-            "missing_init_budget_bytes": budget_bytes, "allow_suspicious_missing_keys": bool(allow_suspicious)}
+            "missing_init_budget_bytes": budget_bytes, "allow_suspicious_missing_keys": bool(allow_suspicious),
+            # the partitions' dtype: the engine's, or the call's own where the config leaves it to "auto"
+            "dtype the parameters are loaded in": str(kwargs.get("dtype"))}
     agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
                     error_type=ConfigError)
     expert_parallel = None

@@ -38,6 +38,19 @@ from tests.instrument import CollectiveCounter, LargestAllocation  # noqa: E402
 NOTHING_PERSISTENT = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
+# transformers' docs' ds_config_zero3.json: "auto" wherever the Trainer fills in a value
+TRAINER_STYLE_CONFIG = {
+    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
+                          "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
+
+
 def ds_config_for(dtype: str, extra: dict | None = None) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 1,

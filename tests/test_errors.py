@@ -15,7 +15,7 @@ import torch
 
 from tests.checkpoints import ep_config, make_checkpoint, rewrite_checkpoint
 from tests.conftest import run_ranks, run_torchrun
-from tests.dist_worker import ds_config_for
+from tests.dist_worker import TRAINER_STYLE_CONFIG, ds_config_for
 from tests.families import head_checkpoint
 
 OFFLOADED = ds_config_for("float32")
@@ -330,6 +330,10 @@ CASES = {
                                         "False on rank 0", "True on rank 1"]),
     "stream_chunk_bytes_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"stream_chunk_bytes": 4096}}}, None,
                                              "ConfigError", ["stream_chunk_bytes differs", "4096 on rank 1"]),
+    # a config that leaves the dtype to "auto": the call's own dtype is the partitions', and must agree
+    "dtype_differs_under_an_auto_config": ("good", TRAINER_STYLE_CONFIG, {"by_rank": {"1": {"dtype": "bfloat16"}}},
+                                           None, "ConfigError", ["dtype the parameters are loaded in differs",
+                                                                 "torch.bfloat16 on rank 1"]),
     # it sizes the missing-key init's gathers: unlike sizes ended in a transport timeout
     "missing_init_budget_differs_on_rank_1": ("good", None, {"by_rank": {"1": {"missing_init_budget_bytes": 1}}},
                                               None, "ConfigError", ["missing_init_budget_bytes differs", "1 on rank 1"]),

@@ -12,6 +12,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint, make_config
 from tests.conftest import run_torchrun
+from tests.dist_worker import TRAINER_STYLE_CONFIG
 
 
 def _plain_state(path, dtype=torch.float32):
@@ -20,19 +21,6 @@ def _plain_state(path, dtype=torch.float32):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return {n: t.detach() for n, t in [*model.named_parameters(remove_duplicate=False),
                                         *model.named_buffers(remove_duplicate=False)]}
-
-
-# transformers' docs' ds_config_zero3.json: "auto" wherever the Trainer fills in a value
-TRAINER_STYLE_CONFIG = {
-    "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "none"},
-                          "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
-                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
-                          "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
 
 
 @pytest.fixture(scope="module")
