@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import datetime
+import hashlib
 import itertools
 import json
 import math
@@ -216,16 +217,16 @@ class Agreement:
 
     def check(self, phase: str, error: BaseException | None = None, same: dict | None = None,
               differs: str = "are not loading the same checkpoint", error_type: type = errors.CheckpointError,
-              hints: dict[str, str] | None = None) -> None:
+              hint: str | None = None, hints: dict[str, str] | None = None) -> None:
         """Every rank calls this at the same points; raise on every rank if `error` is set on any rank, or if
         `same` (label -> value) differs from the first rank's (then `error_type`: "ranks A and B {differs}: ...",
-        ending with `hints[label]` where given)."""
+        ending with what to do: `hints[label]`, else `hint`)."""
         if isinstance(error, AgreedFailure):
             raise error
         key = f"{self.prefix}/point{next(self.points)}"
         try:
             if error is None and same is not None:
-                error = self._compare(key, same, differs, error_type, hints or {})
+                error = self._compare(key, same, differs, error_type, hint, hints or {})
             if error is not None:
                 payload = json.dumps([self.rank, type(error).__module__, type(error).__qualname__, str(error)])
                 self.store.compare_set(f"{key}/error", "", payload)  # the first failure wins
@@ -275,7 +276,8 @@ class Agreement:
         except Exception as e:
             raise _store_lost(e) from e
 
-    def _compare(self, key: str, same: dict, differs: str, error_type: type, hints: dict) -> BaseException | None:
+    def _compare(self, key: str, same: dict, differs: str, error_type: type, hint: str | None,
+                 hints: dict) -> BaseException | None:
         mine = {"rank": self.rank, "values": same}
         stored = self.store.compare_set(f"{key}/reference", "", json.dumps(mine)).decode()
         reference = json.loads(stored)
@@ -288,8 +290,7 @@ class Agreement:
                     f"ranks {reference['rank']} and {self.rank} {differs}: "
                     f"{label} differs ({_short(theirs.get(label))} on rank {reference['rank']}, "
                     f"{_short(same.get(label))} on rank {self.rank})"
-                    + (f"; {hints[label]}" if label in hints
-                       else "; give every rank the same copy" if "checkpoint" in differs else ""))
+                    + (f"; {hints.get(label, hint)}" if hints.get(label, hint) else ""))
         return None
 
     @contextmanager
@@ -355,6 +356,11 @@ class Worker(threading.Thread):
             self.work()
         except BaseException as e:
             self.error = e
+
+
+def digest(value) -> str:
+    """A short digest of a JSON-able value (dict keys in any order), for ranks to compare what they hold."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _store_lost(cause: BaseException) -> BaseException:

@@ -14,7 +14,6 @@ parameters an adapter save writes; only those are gathered, and PEFT writes its 
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 from contextlib import contextmanager
 
@@ -58,7 +57,7 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
     import torch.distributed as dist
     from deepspeed.moe.utils import is_moe_param
 
-    from .agreement import Agreement
+    from .agreement import Agreement, digest
 
     agreement = Agreement()
     try:
@@ -78,8 +77,7 @@ def adapter_state_dict(model, adapters=None, save_embedding_layers="auto", *,
             error = e
         # the tensors each rank gathers, module by module: unlike lists (another `selected_adapters` on one rank)
         # would pair one rank's gather with another's
-        same = None if error else {"the adapter tensors to gather": hashlib.sha256(
-            "\n".join(sorted(names)).encode()).hexdigest()[:16]}
+        same = None if error else {"the adapter tensors to gather": digest(sorted(names))}
         agreement.check("save the PEFT adapter", error, same=same, differs="are not saving the same adapter",
                         error_type=ConfigError)
         keep = on_every_rank or dist.get_rank() == 0

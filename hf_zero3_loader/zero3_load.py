@@ -13,8 +13,6 @@ A failure on any rank becomes the same error on every rank at the next agreement
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import re
 import threading
@@ -24,7 +22,7 @@ import torch
 from . import _transformers_private as hf_private
 from . import log
 from ._deepspeed_private import partitions_in_memory
-from .agreement import Agreement, Worker
+from .agreement import Agreement, Worker, digest
 from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
                          open_checkpoint)
 from .deepspeed_setup import local_device
@@ -127,7 +125,7 @@ class Zero3Load:
                           if state_dict is not None else self._open_checkpoint(checkpoint_files, load_config))
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
             self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint),
-                                 hints=IDENTITY_HINTS)
+                                 hint=SAME_COPY, hints=IDENTITY_HINTS)
         with self.report.phase("plan"):
             partitioner = self.partitioner = Zero3Partitioner(self.setup.config)
             world = partitioner.world_group()
@@ -419,7 +417,8 @@ class Zero3Load:
 
 CONFIG = "the config (config.json with this call's config arguments)"
 RESOLUTION = "which checkpoint keys load into which tensors (key_mapping, transformers' conversions)"
-# what to do when it differs: the model class and config arguments come from the call, not from the files
+# what to do when it differs: a file, the same copy; the model class and config arguments come from the call
+SAME_COPY = "give every rank the same copy"
 IDENTITY_HINTS = {"the model class": "call from_pretrained with the same model class on every rank",
                   CONFIG: "give every rank the same copy, config arguments and transformers version (config.json "
                           "records it)",
@@ -433,7 +432,6 @@ def checkpoint_identity(model, load_config, checkpoint) -> dict:
     class by name: remote code's module is named after the folder, which may differ from node to node.)"""
     config = {k: v for k, v in model.config.to_diff_dict().items() if not k.startswith("_")}
     weight_map = (load_config.sharded_metadata or {}).get("weight_map")
-    digest = lambda value: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]  # noqa: E731
     return {"the model class": type(model).__qualname__, CONFIG: digest(config),
             "the list of files": digest(sorted(checkpoint.fingerprints)),
             "the index": digest(weight_map) if weight_map else "none",

@@ -9,8 +9,6 @@ built for any rank on any process, inspected and tested without reading a byte o
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections import defaultdict
 from copy import deepcopy
@@ -20,6 +18,7 @@ from typing import Callable
 import torch
 from transformers import core_model_loading as cml
 
+from ..agreement import digest
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, LoaderError
 from .ops import ConversionInputError, apply_converter
@@ -221,9 +220,7 @@ class Resolution:
         resolve the same files differently (another `key_mapping`, another transformers) would fill one tensor's
         partitions from different keys."""
         dtypes = {target: str(dtype) for target, (_, dtype) in self.converted.items()}
-        text = json.dumps([self.inputs, dtypes, sorted(self.unexpected_keys), sorted(map(str, self.mismatched_keys))],
-                          sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return digest([self.inputs, dtypes, sorted(self.unexpected_keys), sorted(map(str, self.mismatched_keys))])
 
 
 @dataclass(frozen=True)
