@@ -393,6 +393,14 @@ def fused_gate_up_layout(gate_up_shape: tuple, down_shape: tuple):
     return classify_fused_gate_up_layout(tuple(gate_up_shape), tuple(down_shape))
 
 
+def expert_weight(expert: torch.nn.Module, weight_name: str) -> torch.Tensor:
+    """The weight AutoEP stacks from one per-expert module (`module_list` storage): `weight_name` as a child
+    linear's weight or as a tensor attribute, as its repacking finds it (`ep_repack._get_expert_weight`)."""
+    from deepspeed.moe.ep_repack import _get_expert_weight
+
+    return _get_expert_weight(expert, weight_name)
+
+
 _registry_patched = False
 
 

@@ -285,7 +285,7 @@ def refuse_adapter_targets_the_load_replaced(model: torch.nn.Module) -> None:
     if not isinstance(configs, dict) or layout is None:
         return
     targeted = list(getattr(tuner, "targeted_parameter_names", None) or [])  # PEFT's names: the unwrapped model's
-    replaced = {box.source for box in layout.sources.values()}  # transformers' names of what AutoEP layers hold
+    replaced = {m for box in layout.sources.values() for m in box.members}  # transformers' names of what AutoEP holds
 
     def matches(name: str, target: str) -> bool:  # PEFT's rule for target_parameters
         return name == target or name.endswith(f".{target}")
@@ -453,11 +453,27 @@ class ExpertParallelLayout:
     def _boxes_for(self, model: torch.nn.Module, spec, local_experts: tuple[int, int]) -> dict[str, SourceBox]:
         """What each AutoEP tensor of one layer is a box of, in transformers' names, for these local experts."""
         moe = spec.moe_module_name
-        e0, e1 = local_experts
         experts = f"{moe}.{spec.experts_name}"
-        if spec.expert_storage != "fused_3d":
-            raise UnsupportedConversionError(f"{moe}: AutoEP expert storage {spec.expert_storage!r} (per-expert "
-                                             "modules) has no shard-on-read rule; fused 3-D experts are supported")
+        if spec.expert_storage == "fused_3d":
+            boxes = self._fused_expert_boxes(model, spec, experts, local_experts)
+        elif spec.expert_storage == "module_list":
+            boxes = self._per_expert_module_boxes(model, spec, experts, local_experts)
+        else:
+            raise UnsupportedConversionError(f"{moe}: AutoEP expert storage {spec.expert_storage!r} has no "
+                                             "shard-on-read rule (fused 3-D experts and per-expert modules have)")
+        router = f"{moe}.{spec.router_name}"
+        boxes[f"{moe}.router.gate.weight"] = SourceBox(f"{router}.weight")
+        if spec.gate_bias:
+            boxes[f"{moe}.router.gate.bias"] = SourceBox(f"{router}.bias")
+        if spec.e_score_correction_bias_path is not None:
+            owner = f"{moe}.{spec.e_score_correction_bias_path}" if spec.e_score_correction_bias_path else moe
+            boxes[f"{moe}.router.e_score_correction_bias"] = SourceBox(f"{owner}.e_score_correction_bias")
+        return boxes
+
+    @staticmethod
+    def _fused_expert_boxes(model, spec, experts: str, local_experts: tuple[int, int]) -> dict[str, SourceBox]:
+        """transformers' fused experts (`gate_up_proj` [E, 2*ffn, hidden], `down_proj`): the local experts' slice."""
+        moe, (e0, e1) = spec.moe_module_name, local_experts
         w1 = f"{experts}.{spec.expert_w1_name}"
         w2 = f"{experts}.{spec.expert_w2_name}"
         local = (0, e0, e1 - e0)
@@ -474,13 +490,31 @@ class ExpertParallelLayout:
         else:
             boxes[f"{moe}.experts.w1"] = SourceBox(w1, (local,))
             boxes[f"{moe}.experts.w3"] = SourceBox(f"{experts}.{spec.expert_w3_name}", (local,))
-        router = f"{moe}.{spec.router_name}"
-        boxes[f"{moe}.router.gate.weight"] = SourceBox(f"{router}.weight")
-        if spec.gate_bias:
-            boxes[f"{moe}.router.gate.bias"] = SourceBox(f"{router}.bias")
-        if spec.e_score_correction_bias_path is not None:
-            owner = f"{moe}.{spec.e_score_correction_bias_path}" if spec.e_score_correction_bias_path else moe
-            boxes[f"{moe}.router.e_score_correction_bias"] = SourceBox(f"{owner}.e_score_correction_bias")
+        return boxes
+
+    @staticmethod
+    def _per_expert_module_boxes(model, spec, experts: str, local_experts: tuple[int, int]) -> dict[str, SourceBox]:
+        """One module per expert (the hub's remote code for DeepSeek-V3 and Kimi-K2: `experts.N.gate_proj.weight`):
+        each AutoEP tensor is the local experts' weights stacked, as AutoEP's repacking stacks them."""
+        moe, (e0, e1) = spec.moe_module_name, local_experts
+
+        def stacked(weight_name: str) -> list[str]:
+            names = []
+            for e in range(e0, e1):
+                expert = model.get_submodule(f"{experts}.{e}")
+                weight = ds_private.expert_weight(expert, weight_name)
+                names.append(next(f"{experts}.{e}.{n}" for n, p in expert.named_parameters() if p is weight))
+            return names
+
+        boxes = {f"{moe}.experts.w2": SourceBox.stack(stacked(spec.expert_w2_name))}
+        if spec.expert_w3_name is None:  # each expert's gate and up in one weight [2*ffn, hidden]
+            w1 = stacked(spec.expert_w1_name)
+            ffn = model.get_parameter(w1[0]).shape[0] // 2
+            boxes[f"{moe}.experts.w1"] = SourceBox.stack(w1, ((1, 0, ffn),))
+            boxes[f"{moe}.experts.w3"] = SourceBox.stack(w1, ((1, ffn, ffn),))
+        else:
+            boxes[f"{moe}.experts.w1"] = SourceBox.stack(stacked(spec.expert_w1_name))
+            boxes[f"{moe}.experts.w3"] = SourceBox.stack(stacked(spec.expert_w3_name))
         return boxes
 
     def group_of(self, world: PartitionGroup, experts: PartitionGroup):
@@ -494,7 +528,7 @@ class ExpertParallelLayout:
         per slice, not as the plain load initialises the fused tensor."""
         absent = sorted(n for n in self.sources if n in plan.tensors and plan.tensors[n].status != "load")
         if absent:
-            detail = ", ".join(f"{n} (from {self.sources[n].source}: {plan.tensors[n].status})" for n in absent[:6])
+            detail = ", ".join(f"{n} (from {self.sources[n].describe()}: {plan.tensors[n].status})" for n in absent[:6])
             raise ConfigError(f"expert parallelism needs every MoE router and expert weight from the checkpoint; "
                               f"{len(absent)} are not there: {detail}{' ...' if len(absent) > 6 else ''}")
 
@@ -504,7 +538,7 @@ class ExpertParallelLayout:
         renamed = {}
         for name, source in self.sources.items():
             (module, param), (original, original_param) = name.rpartition(".")[::2], source.source.rpartition(".")[::2]
-            if not source.box and param == original_param and module != original:
+            if not source.box and not source.stacked and param == original_param and module != original:
                 renamed[module] = original
         return renamed
 

@@ -214,12 +214,14 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
     """The model as a plain load builds it, on meta, each tensor in the live model's dtype: what `save_pretrained`
     runs on. Under expert parallelism (`layout`), with transformers' fused experts that the AutoEP tensors are boxes
     of."""
-    sources = layout.sources_for(layout.groups.ep_rank) if layout is not None else {}
+    # every EP rank's: per-expert modules are each a member of one EP rank's stack
+    sources = [layout.sources_for(r) for r in range(layout.groups.ep_size)] if layout is not None else []
     wanted: dict[str, tuple[tuple[int, ...] | None, torch.dtype]] = {}  # skeleton name -> (shape if known, dtype)
     for names, _, shape, dtype in model_tensors(module):
-        boxes = [sources[n] for n in names if n in sources]
-        for box in boxes:  # a box of a transformers tensor: its dtype, not its shape (AutoEP's aliases aside)
-            wanted.setdefault(box.source, (None, dtype))
+        boxes = [of_rank[n] for of_rank in sources for n in names if n in of_rank]
+        for box in boxes:  # a box of transformers tensors: their dtype, not their shape (AutoEP's aliases aside)
+            for member in box.members:
+                wanted.setdefault(member, (None, dtype))
         if not boxes:
             wanted.update((name, (shape, dtype)) for name in names)
     dtypes = Counter(d for _, d in wanted.values() if d.is_floating_point)
@@ -362,7 +364,7 @@ def plan_writes(module, resolution, checkpoint: Checkpoint, layout, rank: int, w
     check_plan_is_exact(plan)
     for t in plan.tensors.values():
         source = (sources or {}).get(t.name) or SourceBox(t.name)
-        if t.kind == "param" and t.status != "load" and source.source not in not_saved:
+        if t.kind == "param" and t.status != "load" and not set(source.members) <= not_saved:
             raise LoaderError(f"internal error: no file position for parameter {t.name} ({t.status})")
     plan.tensors = {n: t for n, t in plan.tensors.items()
                     if t.status == "load" and ((t.kind == "param" and t.group != WHOLE) or writes_buffers)}

@@ -49,11 +49,19 @@ def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_clas
 
 
 def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
-    """The plain load's tensor for one of ours (AutoEP tensors: their slice of the fused experts)."""
+    """The plain load's tensor for one of ours (AutoEP tensors: their slice of the fused experts, or their local
+    experts' weights stacked where each expert is its own module)."""
     import re
+
+    import torch
 
     if m := re.fullmatch(r"(.*)\.experts\.(w1|w2|w3)", name):
         moe, which = m.groups()
+        if f"{moe}.experts.0.gate_proj.weight" in plain:  # one module per expert (DeepSeek-V3's hub code)
+            num = sum(1 for n in plain if re.fullmatch(rf"{re.escape(moe)}\.experts\.\d+\.gate_proj\.weight", n))
+            n, weight = num // ep_size, {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[which]
+            local = range(ep_rank * n, (ep_rank + 1) * n)
+            return torch.stack([plain[f"{moe}.experts.{e}.{weight}.weight"] for e in local])
         gate_up, down = plain[f"{moe}.experts.gate_up_proj"], plain[f"{moe}.experts.down_proj"]
         n = gate_up.shape[0] // ep_size
         local, ffn = slice(ep_rank * n, (ep_rank + 1) * n), gate_up.shape[1] // 2

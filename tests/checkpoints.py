@@ -104,6 +104,90 @@ def remote_code_checkpoint(src: str, dst: str) -> str:
     return dst
 
 
+REMOTE_MOE_CONFIG = """from transformers import DeepseekV3Config as _DeepseekV3Config
+
+
+class DeepseekV3Config(_DeepseekV3Config):
+    pass
+"""
+
+REMOTE_MOE_MODELING = """import torch
+from torch import nn
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+from .configuration_deepseek import DeepseekV3Config
+
+
+class DeepseekV3MoE(nn.Module):
+    \"\"\"The hub's DeepSeek-V3 MoE block: one module per routed expert.\"\"\"
+
+    def __init__(self, config):
+        super().__init__()
+        self.experts = nn.ModuleList([hf.DeepseekV3MLP(config, intermediate_size=config.moe_intermediate_size)
+                                      for _ in range(config.n_routed_experts)])
+        self.gate = hf.DeepseekV3TopkRouter(config)
+        self.shared_experts = hf.DeepseekV3MLP(
+            config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts)
+
+    def forward(self, hidden_states):
+        residuals, shape = hidden_states, hidden_states.shape
+        _, topk_weights, topk_indices = self.gate(hidden_states)
+        x = hidden_states.view(-1, shape[-1])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(topk_indices == e)
+            out = out.index_add(0, token, expert(x[token]) * topk_weights[token, slot, None].to(x.dtype))
+        return out.view(*shape) + self.shared_experts(residuals)
+
+
+class DeepseekV3Model(hf.DeepseekV3Model):
+    config_class = DeepseekV3Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        for layer in self.layers:
+            if isinstance(layer.mlp, hf.DeepseekV3MoE):
+                layer.mlp = DeepseekV3MoE(config)
+        self.post_init()
+
+
+class DeepseekV3ForCausalLM(hf.DeepseekV3ForCausalLM):
+    config_class = DeepseekV3Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = DeepseekV3Model(config)
+        self.post_init()
+"""
+
+
+def remote_code_moe_checkpoint(dst: str) -> str:
+    """A DeepSeek-V3 checkpoint as the hub ships it (`trust_remote_code=True`, model type `deepseek_v3`): its own
+    modeling code, whose MoE blocks keep one module per routed expert (`mlp.experts.N.gate_proj.weight`, ...), the
+    layout DeepSpeed's AutoEP preset for DeepSeek-V3 also takes (per-expert storage). Kimi-K2 ships the same."""
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.makedirs(dst, exist_ok=True)
+    for name, text in (("configuration_deepseek.py", REMOTE_MOE_CONFIG), ("modeling_deepseek.py", REMOTE_MOE_MODELING)):
+        with open(os.path.join(dst, name), "w") as f:
+            f.write(text)
+    config = ep_config("deepseek_v3")
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    config.save_pretrained(dst)
+    config = AutoConfig.from_pretrained(dst, trust_remote_code=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(dst, max_shard_size="20KB")
+    return dst
+
+
 def ernie_moe_config():
     from transformers import Ernie4_5_MoeConfig
 

@@ -163,6 +163,24 @@ def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_au
     assert report["ok"] and report["ep_size"] == 2 and not report["problems"], report
 
 
+def test_plan_and_verify_take_expert_parallelism_over_one_module_per_expert(workdir):
+    """DeepSeek-V3 with its hub code (`--trust-remote-code`; one module per expert): `plan` gives each rank its local
+    experts' share, and `verify` finds AutoEP's stacked expert tensors equal to the plain load's expert modules."""
+    from tests.test_expert_parallel import REMOTE
+    from tests.test_expert_parallel import checkpoint as ep_checkpoint
+
+    path = ep_checkpoint(workdir, REMOTE)
+    plain = json.loads(_cli("plan", path, "--world-size", "2", "--trust-remote-code", "--json").stdout)
+    result = _cli("plan", path, "--world-size", "2", "--ep-size", "2", "--trust-remote-code", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ep = json.loads(result.stdout)
+    assert ep["ep_size"] == 2 and ep["train"]["largest_layer_params"] < plain["train"]["largest_layer_params"]
+    result = _cli("verify", path, "--world-size", "2", "--ep-size", "2", "--trust-remote-code", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["ep_size"] == 2 and not report["problems"] and report["compared"] >= 30, report
+
+
 def test_plan_and_verify_pick_a_vision_language_models_own_auto_class(workdir):
     """A Qwen3-VL-MoE checkpoint (its config names `Qwen3VLMoeForConditionalGeneration`, which no causal-LM class
     builds): without --model-class, `plan` and `verify` load it through `AutoModelForImageTextToText`, and take EP

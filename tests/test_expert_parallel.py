@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.checkpoints import (EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config,
-                               fp8_checkpoint, make_checkpoint)
+                               fp8_checkpoint, make_checkpoint, remote_code_moe_checkpoint)
 from tests.conftest import params_kept_in_fp32, run_torchrun
 from tests.dist_worker import NOTHING_PERSISTENT, ds_config_for
 
@@ -39,6 +39,14 @@ def ep_ds_config(ep_size: int, dtype: str = "bfloat16", family: str = "", struct
 
 FP8 = "deepseek_v3_fp8"  # DeepSeek-V3 as it ships: FP8 with a scale per 16 x 16 block here, dequantized on read
 DEQUANTIZE = {"quant_method": "fp8", "dequantize": True}
+# DeepSeek-V3 with the hub's own modeling code (`trust_remote_code=True`): one module per expert, which AutoEP's
+# DeepSeek-V3 preset takes too (per-expert storage: each AutoEP tensor stacks the local experts' weights)
+REMOTE = "deepseek_v3_remote"
+
+
+def load_kwargs(family: str) -> dict:
+    """What a plain load of the family's checkpoint needs."""
+    return {"trust_remote_code": True} if family == REMOTE else {}
 
 
 def checkpoint(workdir: str, family: str) -> str:
@@ -54,6 +62,8 @@ def checkpoint(workdir: str, family: str) -> str:
         source = make_checkpoint(os.path.join(workdir, "ep_deepseek_v3_bf16"), "deepseek_v3", dtype=torch.bfloat16,
                                  config=config)
         return fp8_checkpoint(source, os.path.join(workdir, f"ep_{FP8}"), block=(16, 16))
+    if family == REMOTE:
+        return remote_code_moe_checkpoint(os.path.join(workdir, f"ep_{REMOTE}"))
     model_class = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
     return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family),
                            model_class=model_class)
@@ -63,14 +73,14 @@ def checkpoint(workdir: str, family: str) -> str:
 #                 keywords for the load])]
 RUNS = {
     2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32"),
-        ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16"),
+        ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16"), (REMOTE, 2, "bfloat16"),
         # the router transformers 5.24 keeps in fp32 stays fp32 with keep_in_fp32=True, dequantized from FP8 too
         (FP8, 2, "bfloat16", None, {"keep_in_fp32": True})],
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
-        (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16")],
+        (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16"), (REMOTE, 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
         ("minimax_m3_vl_text", 2, "bfloat16"), ("olmoe", 2, "bfloat16", OLMOE_EP_PATTERNS),
-        ("qwen3_vl_moe", 2, "bfloat16")],
+        ("qwen3_vl_moe", 2, "bfloat16"), (REMOTE, 2, "float32")],
 }
 
 _dumps: dict = {}
@@ -86,7 +96,8 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
                           "path": checkpoint(workdir, family), "dtype": dtype,
                           "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
                           "ds_config": ep_ds_config(ep, dtype, family, structure), "all_ranks_state": True,
-                          "kwargs": {**({"quantization_config": DEQUANTIZE} if family == FP8 else {}), **kwargs},
+                          "kwargs": {**({"quantization_config": DEQUANTIZE} if family == FP8 else {}),
+                                     **load_kwargs(family), **kwargs},
                           "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{tag.replace('/', '_')}.pt")})
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
     return _dumps[world_size]
@@ -97,11 +108,13 @@ def _plain(path: str, dtype: str, model_class: str = "AutoModelForCausalLM", see
     """`seed`: the ranks' seed, for what the checkpoint lacks (a new task head) to be initialised alike."""
     import transformers
 
-    quantized = {}
+    extra = {}
     if path.endswith(FP8):
-        quantized = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+        extra = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
+    if path.endswith(REMOTE):
+        extra = load_kwargs(REMOTE)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class).from_pretrained(path, dtype=getattr(torch, dtype), **quantized)
+    model = getattr(transformers, model_class).from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     return ({n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]},
             params_kept_in_fp32(model, getattr(torch, dtype)))
 
@@ -119,22 +132,31 @@ def plain_fp32_params(path: str, dtype: str, model_class: str = "AutoModelForCau
 def buffer_names(path: str, model_class: str = "AutoModelForCausalLM") -> frozenset:
     import transformers
 
+    remote = load_kwargs(REMOTE) if path.endswith(REMOTE) else {}
     with torch.device("meta"):
-        model = getattr(transformers, model_class).from_config(transformers.AutoConfig.from_pretrained(path))
+        model = getattr(transformers, model_class).from_config(transformers.AutoConfig.from_pretrained(path, **remote),
+                                                               **remote)
     return frozenset(n for n, _ in model.named_buffers())
 
 
-def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[str, torch.Tensor]:
-    """What AutoEP's tensor `name` must hold on this EP rank, written from AutoEP's documented layout (not from the
-    loader's mapping): w1/w3 = gate/up halves of gate_up_proj for the local experts, w2 = down_proj, router = gate."""
+def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[tuple[str, ...], torch.Tensor]:
+    """What AutoEP's tensor `name` must hold on this EP rank, and the plain tensors it is made of, written from
+    AutoEP's documented layout (not from the loader's mapping): w1/w3 = gate/up halves of gate_up_proj for the local
+    experts, w2 = down_proj (or, one module per expert, their gate/up/down weights stacked), router = gate."""
     if m := re.fullmatch(r"(.*)\.experts\.(w1|w2|w3)", name):
         moe, which = m.groups()
+        if f"{moe}.experts.0.gate_proj.weight" in plain:  # one module per expert
+            num = sum(1 for n in plain if re.fullmatch(rf"{re.escape(moe)}\.experts\.\d+\.gate_proj\.weight", n))
+            per_rank = num // ep_size
+            sources = tuple(f"{moe}.experts.{e}.{dict(w1='gate_proj', w2='down_proj', w3='up_proj')[which]}.weight"
+                            for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+            return sources, torch.stack([plain[s] for s in sources])
         gate_up, down = plain[f"{moe}.experts.gate_up_proj"], plain[f"{moe}.experts.down_proj"]
         per_rank = gate_up.shape[0] // ep_size
         local = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         ffn = gate_up.shape[1] // 2
         source = f"{moe}.experts.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
-        return source, {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
+        return (source,), {"w1": gate_up[local, :ffn], "w3": gate_up[local, ffn:], "w2": down[local]}[which]
     if m := re.fullmatch(r"(.*)\.(?:router|gate)\.gate\.(weight|bias)", name):  # the block's router, by its name
         (source,) = [s for s in (f"{m[1]}.gate.{m[2]}", f"{m[1]}.router.{m[2]}") if s in plain]
     elif m := re.fullmatch(r"(.*)\.(?:router|gate)\.e_score_correction_bias", name):
@@ -145,7 +167,7 @@ def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[str, t
         source = name.replace(".shared_experts", ".shared_expert")
     else:
         source = name
-    return source, plain[source]
+    return (source,), plain[source]
 
 
 @pytest.mark.parametrize("world_size", sorted(RUNS))
@@ -166,10 +188,10 @@ def test_local_experts_and_everything_else_equal_the_plain_load(workdir, world_s
                 if name.endswith(".tokens_per_expert"):  # AutoEP's own token counter: zeros, as it builds it
                     assert not actual.any(), name
                     continue
-                source, want = expected(name, plain, ep_rank, ep)
-                covered.add(source)
-                if (want.dtype != actual.dtype and source in plain_fp32_params(case["path"], case["dtype"],
-                                                                                 case["model_class"])
+                sources, want = expected(name, plain, ep_rank, ep)
+                covered.update(sources)
+                if (want.dtype != actual.dtype and set(sources) <= plain_fp32_params(case["path"], case["dtype"],
+                                                                                       case["model_class"])
                         and not case["kwargs"].get("keep_in_fp32")):
                     # a router the plain load keeps in fp32 (`_keep_in_fp32_modules_strict`: DeepSeek-V3's from
                     # transformers 5.24) is loaded in the engine's dtype by default, as zero.Init casts it
@@ -232,14 +254,15 @@ def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[di
              "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
              "ds_config": every_param_gathered,
              "upstream": variant == "engine-side AutoEP", "train_steps": 3, "seed": 5, "rank_inputs": True,
-             "checkpoint_roundtrip": variant == "ours", "kwargs": {"experts_implementation": "eager"},
+             "checkpoint_roundtrip": variant == "ours",
+             "kwargs": load_kwargs(family) or {"experts_implementation": "eager"},
              "out": os.path.join(workdir, f"ep_train_w{world_size}_{family}_{variant.split()[0]}.pt")}
             for variant in ("ours", "engine-side AutoEP")]
 
 
 # (world size, family, ep_size): losses vs engine-side AutoEP; GLM-4.5 through the DeepSeek-V3 preset its config names,
 # Qwen3-VL-MoE through the Qwen3-MoE preset, its language model's layers and top_k
-TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2), (2, "glm4_moe", 2), (2, "qwen3_vl_moe", 2)]
+TRAINED = [(2, "qwen3_moe", 2), (4, "deepseek_v3", 2), (2, "glm4_moe", 2), (2, "qwen3_vl_moe", 2), (2, REMOTE, 2)]
 
 
 @pytest.mark.parametrize("world_size,family,ep", TRAINED)
@@ -259,10 +282,10 @@ def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, 
     # input buffers are counted: at most 2x the parameter). Ours holds local experts only, so nothing larger than
     # the largest parameter of the EP model is gathered; engine-side AutoEP gathers each layer's whole fused
     # experts on every rank (larger than anything ours gathers, unless the model holds a larger tensor elsewhere:
-    # Qwen3-VL-MoE's vision tower), and more bytes in all.
+    # Qwen3-VL-MoE's vision tower), or every expert module one at a time, and more bytes in all.
     largest_param = max(t.numel() * t.element_size() for t in ours["rank0"]["state"].values())
     plain = plain_load(checkpoint(workdir, family), "bfloat16", EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
-    fused = max(t.numel() * t.element_size() for n, t in plain.items() if n.endswith("gate_up_proj"))
+    fused = max((t.numel() * t.element_size() for n, t in plain.items() if n.endswith("gate_up_proj")), default=0)
     largest_other = max(t.numel() * t.element_size() for n, t in plain.items() if ".experts." not in n)
     for r, e in zip(ours["ranks"], engine_side["ranks"]):
         mine, theirs = r["init_collectives"], e["init_collectives"]
@@ -388,8 +411,8 @@ def assert_autoep_layout_of(plain: dict, dump: dict, what: str, ep_size: int = 2
         for name, actual in r["state"].items():
             if name.endswith(".tokens_per_expert"):
                 continue
-            source, want = expected(name, plain, r["rank"] % ep_size, ep_size)
-            covered.add(source)
+            sources, want = expected(name, plain, r["rank"] % ep_size, ep_size)
+            covered.update(sources)
             assert actual.dtype == want.dtype and torch.equal(actual, want), f"{what} {name} rank {r['rank']}"
     assert covered == set(plain), f"{what}: not loaded: {sorted(set(plain) - covered)}"
 

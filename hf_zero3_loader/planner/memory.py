@@ -55,11 +55,16 @@ def engine_itemsize(ds_config: dict) -> int:
 
 
 def layer_params(model: torch.nn.Module) -> tuple[int, str]:
-    """The largest number of parameters one module owns (what ZeRO-3 gathers at once in a forward pass); under
-    expert parallelism the model holds AutoEP layers whose experts are the local ones."""
+    """The largest number of parameters one module owns (what ZeRO-3 gathers at once in a forward pass), counting a
+    ZeRO-3 leaf module with all its submodules: the loader marks MoE experts so (`leaf_modules`), and one module per
+    expert is then gathered together. Under expert parallelism the model holds AutoEP layers whose experts are the
+    local ones."""
+    from ..leaf_modules import experts_to_mark
+
+    leaves = set(experts_to_mark(model))
     best, where = 0, ""
     for module_name, module in model.named_modules():
-        count = sum(p.numel() for p in module.parameters(recurse=False))
+        count = sum(p.numel() for p in module.parameters(recurse=module_name in leaves))
         if count > best:
             best, where = count, module_name
     return best, where

@@ -17,7 +17,7 @@ from transformers import core_model_loading as cml
 from .. import _transformers_private as hf_private
 from ..dequantize import Computation
 from ..errors import UnsupportedConversionError
-from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose, slice_along
+from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose, slice_along, stack_along
 
 
 def _first(value) -> Sym:
@@ -44,10 +44,7 @@ def _dim(dim: int, ndim: int, what: str) -> int:
 def _stack(syms: list[Sym], dim: int, what: str) -> Sym:
     """torch.stack(syms, dim)."""
     _check(all(s.shape == syms[0].shape for s in syms), f"{what}: unequal shapes {[s.shape for s in syms]}")
-    dim = _dim(dim, len(syms[0].shape) + 1, what)
-    shape = list(syms[0].shape)
-    shape.insert(dim, len(syms))
-    return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
+    return stack_along(syms, _dim(dim, len(syms[0].shape) + 1, what))
 
 
 def _cat(syms: list[Sym], dim: int, what: str) -> Sym:

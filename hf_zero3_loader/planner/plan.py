@@ -22,7 +22,7 @@ from ..agreement import digest
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, LoaderError
 from .ops import ConversionInputError, apply_converter
-from .symbolic import Run, Sym, slice_along, to_leaf_runs
+from .symbolic import Run, Sym, slice_along, stack_along, to_leaf_runs
 
 
 @dataclass(frozen=True)
@@ -225,18 +225,44 @@ class Resolution:
 
 @dataclass(frozen=True)
 class SourceBox:
-    """A model tensor made of a box of a converted tensor: `source`, sliced by (dim, start, count) in turn.
+    """A model tensor made of a box of a converted tensor: `source`, sliced by (dim, start, count) in turn; or, with
+    `stacked`, of several converted tensors stacked along a new first dim, then boxed.
 
-    Identity (no box) for most tensors; expert parallelism maps each rank's local expert slice this way.
+    Identity (no box) for most tensors; expert parallelism maps each rank's local experts this way: a slice of
+    fused experts, or the stack of per-expert modules' weights (`source` is then the first of them).
     """
 
     source: str
     box: tuple[tuple[int, int, int], ...] = ()
+    stacked: tuple[str, ...] = ()
 
-    def apply(self, sym: Sym) -> Sym:
+    @classmethod
+    def stack(cls, sources: list[str], box: tuple[tuple[int, int, int], ...] = ()) -> "SourceBox":
+        return cls(sources[0], box, tuple(sources))
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The converted tensors this is made of."""
+        return self.stacked or (self.source,)
+
+    def describe(self) -> str:
+        return self.source if not self.stacked else f"{self.stacked[0]} ... {self.stacked[-1]} (stacked)"
+
+    def resolved_in(self, converted: dict) -> bool:
+        return all(m in converted for m in self.members)
+
+    def resolve(self, converted: dict[str, tuple[Sym, torch.dtype]]) -> tuple[Sym, torch.dtype]:
+        """This tensor's symbolic form and dtype, from the resolution's converted tensors."""
+        parts = [converted[m] for m in self.members]
+        sym, dtype = parts[0]
+        if self.stacked:
+            if len({s.shape for s, _ in parts}) > 1 or len({d for _, d in parts}) > 1:
+                raise CheckpointError(f"{self.describe()}: the tensors stacked into one differ in shape or dtype: "
+                                      f"{sorted({(tuple(s.shape), str(d)) for s, d in parts})}")
+            sym = stack_along([s for s, _ in parts], 0)
         for dim, start, count in self.box:
             sym = slice_along(sym, dim, start, count)
-        return sym
+        return sym, dtype
 
 
 def _natural_key_by_parts() -> Callable[[str], list]:
@@ -412,19 +438,18 @@ def plan_tensors(
     for names, is_param, shape, own_dtype in model_tensors(model):
         # aliases (tied weights, AutoEP's router under the transformers name): planned once, under a name the
         # resolution provides if one does
-        name = next((n for n in names if source_of(n).source in resolution.converted), names[0])
+        name = next((n for n in names if source_of(n).resolved_in(resolution.converted)), names[0])
         source = source_of(name)
         group = group_of(name) if is_param else None
         numel = math.prod(shape)
         start, end, per_rank = partition_range(numel, group) if is_param else (0, numel, numel)
-        if source.source in resolution.converted:
-            sym, dtype = resolution.converted[source.source]
-            sym, status = source.apply(sym), "load"
+        if source.resolved_in(resolution.converted):
+            (sym, dtype), status = source.resolve(resolution.converted), "load"
             if tuple(sym.shape) != shape:
                 raise LoaderError(f"internal planning error for {name}: source {sym.shape} vs model {shape}")
         else:
             sym, dtype = None, own_dtype
-            status = "mismatched" if source.source in mismatched_names else "missing"
+            status = "mismatched" if any(m in mismatched_names for m in source.members) else "missing"
         plan = TensorPlan(name=name, kind="param" if is_param else "buffer", shape=shape, dtype=dtype, group=group,
                           start=start, end=end, partition_numel=per_rank, status=status)
         if sym is not None:

@@ -183,6 +183,14 @@ def slice_along(src: Sym, dim: int, start: int, count: int) -> Sym:
     return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(src, start, count, src.shape[dim])]))
 
 
+def stack_along(syms: list[Sym], dim: int) -> Sym:
+    """`torch.stack(syms, dim)` of equal shapes (merged per-expert tensors)."""
+    dim = dim % (len(syms[0].shape) + 1)
+    shape = list(syms[0].shape)
+    shape.insert(dim, len(syms))
+    return Sym(tuple(shape), mapper=Concat(dim, tuple(shape), [Piece(s, 0, 1, 1) for s in syms]))
+
+
 def to_leaf_runs(sym: Sym, start: int, length: int) -> list[Run]:
     """Resolve `length` output elements from `start` of `sym` to runs of checkpoint tensors, in output order."""
     if length <= 0:
