@@ -523,12 +523,20 @@ class ExpertParallelLayout:
         built = PartitionGroup(self.groups.built_name, world.size, world.rank)
         return lambda name: experts if name in self.expert_params else built if name in self.built_params else world
 
-    def check_loaded(self, plan: LoadPlan) -> None:
+    def check_loaded(self, plan: LoadPlan, resolved: dict) -> None:
         """Every tensor AutoEP derives from the checkpoint must be in it: a missing expert would be initialised
-        per slice, not as the plain load initialises the fused tensor."""
+        per slice, not as the plain load initialises the fused tensor (or the expert's own module). `resolved`: the
+        resolution's converted tensors, to name the expert modules' weights a stack lacks."""
         absent = sorted(n for n in self.sources if n in plan.tensors and plan.tensors[n].status != "load")
         if absent:
-            detail = ", ".join(f"{n} (from {self.sources[n].describe()}: {plan.tensors[n].status})" for n in absent[:6])
+            def where(name: str) -> str:
+                source = self.sources[name]
+                if not source.stacked:
+                    return f"from {source.source}: {plan.tensors[name].status}"
+                lacking = [m for m in source.members if m not in resolved]
+                return f"from {source.describe()}, without {', '.join(lacking[:3])}{' ...' if len(lacking) > 3 else ''}"
+
+            detail = ", ".join(f"{n} ({where(n)})" for n in absent[:6])
             raise ConfigError(f"expert parallelism needs every MoE router and expert weight from the checkpoint; "
                               f"{len(absent)} are not there: {detail}{' ...' if len(absent) > 6 else ''}")
 

@@ -156,7 +156,7 @@ class Zero3Load:
             check_plan_is_exact(plan)
             self._refuse_broken_conversion(model, plan)  # first: it names the cause of what EP finds missing below
             if layout is not None:
-                layout.check_loaded(plan)
+                layout.check_loaded(plan, resolution.converted)
                 self.report.expert_parallel = layout.summary(plan)
                 self.report.expert_parallel_layout = layout
                 layout.forget_accelerate_leaf_marks(model)

@@ -8,6 +8,7 @@
     python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
     python scripts/fuzz.py ep --stream ...                               # ... to "nodes" without the files
     python scripts/fuzz.py ep --model-class AutoModelForSequenceClassification ...  # ... into a new task head
+    python scripts/fuzz.py ep --families deepseek_v3_remote ...          # ... DeepSeek-V3's hub code (expert modules)
     python scripts/fuzz.py headers --seed 1 --cases 40                  # headers (or a shard index) mutated
     python scripts/fuzz.py save    --seed 1 --world-size 3 --cases 16   # saves of the `configs` checkpoints (any head)
     python scripts/fuzz.py stream  --seed 1 --world-size 2 --cases 8    # them streamed to "nodes" without files
@@ -286,13 +287,14 @@ def run_ep(args, rng) -> list[str]:
 
     import transformers
 
-    from tests.checkpoints import EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, ep_config
+    from tests.checkpoints import EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, ep_config, remote_code_moe_checkpoint
     from tests.conftest import run_nodes, run_torchrun
-    from tests.test_expert_parallel import ep_ds_config, expected, plain_fp32_params, plain_load
+    from tests.test_expert_parallel import REMOTE, ep_ds_config, expected, load_kwargs, plain_fp32_params, plain_load
 
     # presets, and structures the config names: a preset of the same structure, or custom patterns; with
-    # --model-class, those its auto class knows (a causal LM's body loaded into a reward model, a bare body, ...)
-    families = EP_FAMILIES + tuple(EP_NAMED_STRUCTURE)
+    # --model-class, those its auto class knows (a causal LM's body loaded into a reward model, a bare body, ...);
+    # and DeepSeek-V3 with the hub's own modeling code (one module per expert)
+    families = EP_FAMILIES + tuple(EP_NAMED_STRUCTURE) + (REMOTE,)
     if args.families:  # a choice among them
         if unknown := sorted(set(args.families) - set(families)):
             raise SystemExit(f"no expert-parallel config for {unknown} (tests/checkpoints.ep_config: {families})")
@@ -305,10 +307,11 @@ def run_ep(args, rng) -> list[str]:
     cases = []
     for i in range(args.cases):
         family = rng.choice(families)
+        kind = "deepseek_v3" if family == REMOTE else family  # the model type, and its AutoEP structure
         # the family's own class (a vision-language model's) unless --model-class asks for another
         model_class = (EP_MODEL_CLASS.get(family, args.model_class) if args.model_class == "AutoModelForCausalLM"
                        else args.model_class)
-        config = ep_config(family)
+        config = ep_config(kind)
         text = getattr(config, "text_config", None) or config
         experts = rng.choice([4, 6, 8, 12])  # 6 and 12 split over 3 (and 6) ranks too
         for key in ("num_experts", "n_routed_experts", "num_local_experts"):
@@ -321,16 +324,19 @@ def run_ep(args, rng) -> list[str]:
         ep = rng.choice([e for e in (1, 2, 3, 4, 6) if args.world_size % e == 0 and experts % e == 0])
         dtype = rng.choice([torch.bfloat16, torch.float32])
         saved_as = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
-        path = _save_random(config, os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), dtype, i,
-                            rng.choice(["10GB", "9KB"]), saved_as)
+        folder, shard = os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), rng.choice(["10GB", "9KB"])
+        path = (remote_code_moe_checkpoint(folder, config, dtype, shard, seed=i) if family == REMOTE
+                else _save_random(config, folder, dtype, i, shard, saved_as))
         case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
                 "dtype": "bfloat16", "all_ranks_state": True,
-                "ds_config": ep_ds_config(ep, "bfloat16", family, _ep_structure(family, config, model_class)),
+                "ds_config": ep_ds_config(ep, "bfloat16", kind, _ep_structure(kind, config, model_class)),
                 "model_class": model_class, "seed": 11,  # a new head: drawn as the seeded plain load draws it
+                "kwargs": load_kwargs(path),
                 "out": os.path.join(args.workdir, "out", f"ep_{args.seed}_{i}_w{args.world_size}.pt")}
         if args.stream:  # one rank per "node", only node 0 with the files: the others receive their expert shares
             chunk = rng.choice([256, 4096, 1 << 20])
-            case.update(name=f"{case['name']} streamed in {chunk} B chunks", kwargs={"stream_chunk_bytes": chunk},
+            case.update(name=f"{case['name']} streamed in {chunk} B chunks",
+                        kwargs={**case["kwargs"], "stream_chunk_bytes": chunk},
                         path_by_node={str(n): (path if n == 0 else "/nonexistent/checkpoint")
                                       for n in range(args.world_size)})
         elif rng.random() < 0.5:  # saved back right after the load (the read plan run backwards through AutoEP)
@@ -356,9 +362,9 @@ def run_ep(args, rng) -> list[str]:
             for name, actual in r["state"].items():
                 if name.endswith(".tokens_per_expert"):  # AutoEP's own counter
                     continue
-                source, want = expected(name, plain, ep_rank, case["ep_size"])
-                covered.add(source)
-                if source in kept_in_fp32:  # a router kept in fp32 (transformers
+                sources, want = expected(name, plain, ep_rank, case["ep_size"])
+                covered.update(sources)
+                if set(sources) <= kept_in_fp32:  # a router kept in fp32 (transformers
                     want = want.to(torch.bfloat16)  # 5.24's DeepSeek-V3, GLM-4.5): loaded in the engine's dtype
                 if actual.dtype != want.dtype or not torch.equal(actual, want):
                     failures.append(f"{case['name']}: {name} differs on rank {r['rank']}")
@@ -382,7 +388,7 @@ def _ep_save_failure(case: dict, dump: dict, kept_in_fp32: frozenset) -> str | N
         return f"save failed: {errors[0]['type']}: {errors[0]['message'][:200]}"
     auto_class, folder = getattr(transformers, case["model_class"]), case["save"]["dir"]
     torch.manual_seed(case["seed"])
-    model = auto_class.from_pretrained(case["path"], dtype=torch.bfloat16)
+    model = auto_class.from_pretrained(case["path"], dtype=torch.bfloat16, **case["kwargs"])
     for name in kept_in_fp32:  # a router the plain load keeps in fp32 trains and saves in the engine's dtype
         model.get_parameter(name).data = model.get_parameter(name).data.to(torch.bfloat16)
     reference = folder + ".reference"
@@ -394,7 +400,7 @@ def _ep_save_failure(case: dict, dump: dict, kept_in_fp32: frozenset) -> str | N
     if differ := [n for n in names if not filecmp.cmp(os.path.join(folder, n), os.path.join(reference, n),
                                                       shallow=False)]:
         return f"saved files differ from transformers' save_pretrained: {differ}"
-    _, info = auto_class.from_pretrained(folder, output_loading_info=True)
+    _, info = auto_class.from_pretrained(folder, output_loading_info=True, **case["kwargs"])
     if bad := {k: v for k, v in info.items() if k != "error_msgs" and v}:
         return f"the saved folder does not load back whole: {bad}"
     return None

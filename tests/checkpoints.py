@@ -71,8 +71,8 @@ def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None
     for name in sorted(os.listdir(src)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(src, name)))
-        elif name.endswith(".json") and name != "model.safetensors.index.json":
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+        elif (name.endswith(".json") and name != "model.safetensors.index.json") or name.endswith(".py"):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))  # config, and custom modeling code
     save_file({k: v.contiguous() for k, v in transform(tensors).items()}, os.path.join(dst, "model.safetensors"),
               metadata={"format": "pt"})
     if config_update:
@@ -161,10 +161,12 @@ class DeepseekV3ForCausalLM(hf.DeepseekV3ForCausalLM):
 """
 
 
-def remote_code_moe_checkpoint(dst: str) -> str:
+def remote_code_moe_checkpoint(dst: str, config=None, dtype: torch.dtype = torch.float32, max_shard_size: str = "20KB",
+                               seed: int = 0) -> str:
     """A DeepSeek-V3 checkpoint as the hub ships it (`trust_remote_code=True`, model type `deepseek_v3`): its own
     modeling code, whose MoE blocks keep one module per routed expert (`mlp.experts.N.gate_proj.weight`, ...), the
-    layout DeepSpeed's AutoEP preset for DeepSeek-V3 also takes (per-expert storage). Kimi-K2 ships the same."""
+    layout DeepSpeed's AutoEP preset for DeepSeek-V3 also takes (per-expert storage). Kimi-K2 reuses that code.
+    `config`: a DeepseekV3Config (default: the expert-parallel tests' small one)."""
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -173,18 +175,18 @@ def remote_code_moe_checkpoint(dst: str) -> str:
     for name, text in (("configuration_deepseek.py", REMOTE_MOE_CONFIG), ("modeling_deepseek.py", REMOTE_MOE_MODELING)):
         with open(os.path.join(dst, name), "w") as f:
             f.write(text)
-    config = ep_config("deepseek_v3")
+    config = config or ep_config("deepseek_v3")
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
     config.save_pretrained(dst)
     config = AutoConfig.from_pretrained(dst, trust_remote_code=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-    with torch.no_grad():
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True, dtype=dtype)
+    with torch.no_grad():  # perturbed, as make_checkpoint does, so that mix-ups show
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(dst, max_shard_size="20KB")
+    model.save_pretrained(dst, max_shard_size=max_shard_size)
     return dst
 
 

@@ -17,6 +17,8 @@ from tests.checkpoints import ep_config, make_checkpoint, rewrite_checkpoint
 from tests.conftest import run_ranks, run_torchrun
 from tests.dist_worker import TRAINER_STYLE_CONFIG, ds_config_for
 from tests.families import head_checkpoint
+from tests.test_expert_parallel import REMOTE
+from tests.test_expert_parallel import checkpoint as ep_checkpoint
 
 OFFLOADED = ds_config_for("float32")
 OFFLOADED = {**OFFLOADED, "zero_optimization": {**OFFLOADED["zero_optimization"], "offload_param": {"device": "cpu"}}}
@@ -188,6 +190,10 @@ def bad(workdir):
                                         config=ep_config("qwen3_vl_moe"), model_class=AutoModelForImageTextToText),
         "no_experts": rewrite_checkpoint(single, d("no_experts"), lambda t: {
             k: v for k, v in t.items() if ".experts." not in k}),
+        # the hub's own DeepSeek-V3 code (one module per expert) lacking one expert's up projection
+        "remote_missing_one_up_proj": rewrite_checkpoint(ep_checkpoint(workdir, REMOTE), d("remote_missing_up_proj"),
+                                                         lambda t: {k: v for k, v in t.items()
+                                                                    if k != "model.layers.1.mlp.experts.4.up_proj.weight"}),
         "missing_shard": _copy(sharded, d("missing_shard"), lambda f: os.remove(os.path.join(f, _shards(f)[1]))),
         "truncated": _copy(single, d("truncated"), truncate),
         "corrupt_header": _copy(single, d("corrupt_header"), corrupt_header),
@@ -266,6 +272,12 @@ CASES = {
                         "deepspeed.initialize would refuse it after the load"]),
     "ep_missing_expert_weights": ("no_experts", None, {"ep_size": 1}, None, "ConfigError",
                                   ["needs every MoE router and expert weight", "experts.w1", "gate_up_proj: missing"]),
+    # one expert's weight, found by the EP rank that holds it: the others fail with its error
+    "ep_missing_one_of_the_expert_modules": (
+        "remote_missing_one_up_proj", None, {"ep_size": 2, "trust_remote_code": True}, None, "ConfigError",
+        ["[rank 1]", "needs every MoE router and expert weight", "model.layers.1.mlp.experts.w3 (from ",
+         "experts.3.up_proj.weight ... model.layers.1.mlp.experts.5.up_proj.weight (stacked), without "
+         "model.layers.1.mlp.experts.4.up_proj.weight)"]),
     "dtype_conflicts_with_config_strict": ("good", _stage3(bf16={"enabled": True}),
                                            {"dtype": "float16", "strict_dtype": True}, None,
                                            "ConfigError", ["conflicts", "bfloat16", "strict_dtype=True"]),

@@ -44,9 +44,12 @@ DEQUANTIZE = {"quant_method": "fp8", "dequantize": True}
 REMOTE = "deepseek_v3_remote"
 
 
-def load_kwargs(family: str) -> dict:
-    """What a plain load of the family's checkpoint needs."""
-    return {"trust_remote_code": True} if family == REMOTE else {}
+def load_kwargs(path: str) -> dict:
+    """What a load of the checkpoint at `path` needs: its own modeling code trusted, where it ships some."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        return {"trust_remote_code": True} if "auto_map" in json.load(f) else {}
 
 
 def checkpoint(workdir: str, family: str) -> str:
@@ -97,7 +100,7 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
                           "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
                           "ds_config": ep_ds_config(ep, dtype, family, structure), "all_ranks_state": True,
                           "kwargs": {**({"quantization_config": DEQUANTIZE} if family == FP8 else {}),
-                                     **load_kwargs(family), **kwargs},
+                                     **load_kwargs(checkpoint(workdir, family)), **kwargs},
                           "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{tag.replace('/', '_')}.pt")})
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
     return _dumps[world_size]
@@ -111,8 +114,7 @@ def _plain(path: str, dtype: str, model_class: str = "AutoModelForCausalLM", see
     extra = {}
     if path.endswith(FP8):
         extra = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
-    if path.endswith(REMOTE):
-        extra = load_kwargs(REMOTE)
+    extra.update(load_kwargs(path))
     torch.manual_seed(seed)
     model = getattr(transformers, model_class).from_pretrained(path, dtype=getattr(torch, dtype), **extra)
     return ({n: t.detach() for n, t in [*model.named_parameters(), *model.named_buffers()]},
@@ -132,7 +134,7 @@ def plain_fp32_params(path: str, dtype: str, model_class: str = "AutoModelForCau
 def buffer_names(path: str, model_class: str = "AutoModelForCausalLM") -> frozenset:
     import transformers
 
-    remote = load_kwargs(REMOTE) if path.endswith(REMOTE) else {}
+    remote = load_kwargs(path)
     with torch.device("meta"):
         model = getattr(transformers, model_class).from_config(transformers.AutoConfig.from_pretrained(path, **remote),
                                                                **remote)
@@ -255,7 +257,7 @@ def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[di
              "ds_config": every_param_gathered,
              "upstream": variant == "engine-side AutoEP", "train_steps": 3, "seed": 5, "rank_inputs": True,
              "checkpoint_roundtrip": variant == "ours",
-             "kwargs": load_kwargs(family) or {"experts_implementation": "eager"},
+             "kwargs": load_kwargs(path) or {"experts_implementation": "eager"},
              "out": os.path.join(workdir, f"ep_train_w{world_size}_{family}_{variant.split()[0]}.pt")}
             for variant in ("ours", "engine-side AutoEP")]
 

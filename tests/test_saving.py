@@ -57,7 +57,7 @@ def save_case(workdir: str, world_size: int, family: str, ep: int | None, dtype:
     shutil.rmtree(folder + ".reference", ignore_errors=True)
     return {"name": name, "family": family, "ep_size": ep, "path": source(workdir, family, ep), "dtype": dtype,
             "ds_config": ep_ds_config(ep, dtype, family) if ep else ds_config_for(dtype), "train_steps": 2,
-            "kwargs": {"experts_implementation": "eager"} if family in MOE else load_kwargs(family),
+            "kwargs": {"experts_implementation": "eager"} if family in MOE else load_kwargs(source(workdir, family, ep)),
             "all_ranks_state": ep is not None, "out": os.path.join(workdir, f"save_{name}.pt"),
             "save": {"dir": folder, "reference": True,
                      "kwargs": {"max_shard_size": shard, "staging_bytes": STAGING, "write_threads": 1}}, **extra}
