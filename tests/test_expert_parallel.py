@@ -4,9 +4,10 @@ the world, equals plain; each rank reads only its share; training equals DeepSpe
 
 Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 4, with ep_size equal to the world
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
-it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where
-transformers 5.24 keeps its router in fp32). Model types without a preset whose config names their
-structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
+it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where transformers 5.24
+keeps its router in fp32), and DeepSeek-V3 with the hub's own modeling code, which keeps one module per expert
+(AutoEP's per-expert storage; also trained against engine-side AutoEP). Model types without a preset whose config
+names their structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
 GLM-4.5 (MoE), MiniMax-M2, Granite-MoE (which no preset fits) and Qwen3-VL-MoE (a vision-language model, loaded
 through its own auto class, whose MoE layers are its language model's), one of them trained against engine-side
 AutoEP.
