@@ -12,8 +12,9 @@ by gathering each layer's fused experts on every rank. Here it is built on the m
 2. `ExpertParallelLayout.convert(...)`: AutoEP's own detection and replacement run on the meta skeleton, after the
    planner resolved the checkpoint against transformers' module names. Each new tensor is mapped back to what it is
    a box of: `experts.w1` = `gate_up_proj[local experts, :ffn]`, `experts.w3` = `gate_up_proj[local experts, ffn:]`,
-   `experts.w2` = `down_proj[local experts]`, the router = transformers' gate. The planner then reads, for each
-   rank, only its partition of those boxes: no fused expert tensor is ever whole anywhere.
+   `experts.w2` = `down_proj[local experts]`, the router = transformers' gate (one module per expert, as the hub's
+   DeepSeek-V3 code keeps them: `experts.w1` = the local experts' `gate_proj.weight` stacked, ...). The planner then
+   reads, for each rank, only its partition of those boxes: no fused expert tensor is ever whole anywhere.
 3. `deepspeed.initialize` with the user's unchanged config works: the engine keeps our groups and layers
    (`_deepspeed_private.let_engine_accept_replaced_layers`); `check_at_initialize` first refuses what would then
    train silently wrong (a section asking for other EP math than the load's, parameters added inside the experts).

@@ -212,8 +212,8 @@ def _save_gathered(module, save_directory, is_main_process, max_shard_size, vari
 
 def meta_skeleton(module, layout) -> torch.nn.Module:
     """The model as a plain load builds it, on meta, each tensor in the live model's dtype: what `save_pretrained`
-    runs on. Under expert parallelism (`layout`), with transformers' fused experts that the AutoEP tensors are boxes
-    of."""
+    runs on. Under expert parallelism (`layout`), with transformers' fused experts (or the expert modules) that the
+    AutoEP tensors are boxes (or stacks) of."""
     # every EP rank's: per-expert modules are each a member of one EP rank's stack
     sources = [layout.sources_for(r) for r in range(layout.groups.ep_size)] if layout is not None else []
     wanted: dict[str, tuple[tuple[int, ...] | None, torch.dtype]] = {}  # skeleton name -> (shape if known, dtype)
