@@ -214,15 +214,18 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
     """The model as a plain load builds it, on meta, each tensor in the live model's dtype: what `save_pretrained`
     runs on. Under expert parallelism (`layout`), with transformers' fused experts (or the expert modules) that the
     AutoEP tensors are boxes (or stacks) of."""
-    # every EP rank's: per-expert modules are each a member of one EP rank's stack
-    sources = [layout.sources_for(r) for r in range(layout.groups.ep_size)] if layout is not None else []
+    # model name -> the transformers tensors it is a box of, on any EP rank (each expert module is in one EP rank's
+    # stack)
+    made_of: dict[str, list[str]] = {}
+    for ep_rank in range(layout.groups.ep_size if layout is not None else 0):
+        for name, box in layout.sources_for(ep_rank).items():
+            made_of.setdefault(name, []).extend(box.members)
     wanted: dict[str, tuple[tuple[int, ...] | None, torch.dtype]] = {}  # skeleton name -> (shape if known, dtype)
     for names, _, shape, dtype in model_tensors(module):
-        boxes = [of_rank[n] for of_rank in sources for n in names if n in of_rank]
-        for box in boxes:  # a box of transformers tensors: their dtype, not their shape (AutoEP's aliases aside)
-            for member in box.members:
-                wanted.setdefault(member, (None, dtype))
-        if not boxes:
+        members = [m for n in names for m in made_of.get(n, ())]
+        for member in members:  # their dtype, not their shape (AutoEP's aliases aside)
+            wanted.setdefault(member, (None, dtype))
+        if not members:
             wanted.update((name, (shape, dtype)) for name in names)
     dtypes = Counter(d for _, d in wanted.values() if d.is_floating_point)
     config = copy.deepcopy(module.config)
