@@ -166,7 +166,8 @@ def remote_code_moe_checkpoint(dst: str, config=None, dtype: torch.dtype = torch
     """A DeepSeek-V3 checkpoint as the hub ships it (`trust_remote_code=True`, model type `deepseek_v3`): its own
     modeling code, whose MoE blocks keep one module per routed expert (`mlp.experts.N.gate_proj.weight`, ...), the
     layout DeepSpeed's AutoEP preset for DeepSeek-V3 also takes (per-expert storage). Kimi-K2 reuses that code.
-    `config`: a DeepseekV3Config (default: the expert-parallel tests' small one)."""
+    `config`: a DeepseekV3Config (default: the expert-parallel tests' small one, with an odd hidden size, so that a
+    stack of local experts splits unevenly over an expert-data-parallel group of 2 or 4)."""
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,7 +176,9 @@ def remote_code_moe_checkpoint(dst: str, config=None, dtype: torch.dtype = torch
     for name, text in (("configuration_deepseek.py", REMOTE_MOE_CONFIG), ("modeling_deepseek.py", REMOTE_MOE_MODELING)):
         with open(os.path.join(dst, name), "w") as f:
             f.write(text)
-    config = config or ep_config("deepseek_v3")
+    if config is None:
+        config = ep_config("deepseek_v3")
+        config.hidden_size = 27
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
