@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, remote_code_moe_checkpoint
 from tests.conftest import run_torchrun
 from tests.dist_worker import ds_config_for
 
@@ -44,21 +44,31 @@ def test_gpu_load_equals_plain_load(workdir):
 
 
 def test_gpu_expert_parallel_trains_like_engine_side_autoep(workdir):
-    from transformers import Qwen3MoeConfig
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
 
     # sizes a multiple of 8 elements: DeepSpeed's grouped GEMM on the GPU needs 16-byte strides
     config_ = Qwen3MoeConfig(vocab_size=128, hidden_size=64, head_dim=16, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
                              num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
-    path = make_checkpoint(os.path.join(workdir, "gpu_ep_qwen3_moe"), "qwen3_moe", config=config_)
+    fused = make_checkpoint(os.path.join(workdir, "gpu_ep_qwen3_moe"), "qwen3_moe", config=config_)
+    # and the hub's DeepSeek-V3 code, one module per expert (AutoEP's per-expert storage, stacked on the GPU)
+    remote = remote_code_moe_checkpoint(os.path.join(workdir, "gpu_ep_deepseek_v3_remote"), config=DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=2, topk_group=1, max_position_embeddings=64, tie_word_embeddings=False))
     config = ds_config_for("bfloat16", {"expert_parallel": {"enabled": True, "autoep_size": 1}, **TORCH_ADAM})
-    cases = [{"name": variant, "path": path, "dtype": "bfloat16", "ds_config": config, "upstream": variant == "engine",
-              "train_steps": 3, "out": os.path.join(workdir, f"gpu_ep_{variant}.pt")} for variant in ("ours", "engine")]
-    ours, engine = run_torchrun(1, cases, workdir, env=NCCL)
-    for dump in (ours, engine):
+    cases = [{"name": f"{kind} {variant}", "path": path, "dtype": "bfloat16", "ds_config": config,
+              "upstream": variant == "engine", "train_steps": 3, "kwargs": kwargs,
+              "out": os.path.join(workdir, f"gpu_ep_{kind}_{variant}.pt")}
+             for kind, path, kwargs in (("fused", fused, {}), ("remote", remote, {"trust_remote_code": True}))
+             for variant in ("ours", "engine")]
+    dumps = run_torchrun(1, cases, workdir, env=NCCL)
+    for dump in dumps:
         assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
-    assert ours["rank0"]["report"]["init_context"] == "ep-meta"
-    assert ours["rank0"]["losses"] == engine["rank0"]["losses"]
+    for ours, engine in (dumps[0:2], dumps[2:4]):
+        assert ours["rank0"]["report"]["init_context"] == "ep-meta"
+        assert ours["rank0"]["losses"] == engine["rank0"]["losses"]
 
 
 def test_gpu_staging_is_bounded_by_the_budget_and_bit_exact(workdir):
