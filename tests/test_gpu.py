@@ -163,7 +163,7 @@ def test_gpu_fp8_and_mxfp4_dequantized_on_read_equal_the_plain_dequantized_load(
     read as users ask for it on a GPU (`dequantize=True`): each computed piece goes through the pinned staging slots to
     the GPU partitions, bit- and dtype-equal to the plain dequantized load."""
     from tests.checkpoints import fp8_checkpoint, gpt_oss_config, mxfp4_checkpoint
-    from tests.test_quantized import _deepseek_v3_fp8_config, _llama_fp8_config, plain
+    from tests.test_quantized import _deepseek_v3_fp8_config, _llama_fp8_config, _quant_key, plain, plain_fp32_params
 
     def d(name):
         return os.path.join(workdir, "gpu_quant", name)
@@ -175,8 +175,11 @@ def test_gpu_fp8_and_mxfp4_dequantized_on_read_equal_the_plain_dequantized_load(
     checkpoints = {"fp8 deepseek_v3": (fp8_checkpoint(deepseek, d("deepseek_v3_fp8")), fp8),
                    "fp8 llama 128x64": (fp8_checkpoint(llama, d("llama_fp8"), block=(128, 64)), fp8),
                    "mxfp4 gpt_oss": (mxfp4_checkpoint(gpt_oss, d("gpt_oss_mxfp4")), mxfp4)}
+    # a plain load keeping routers in fp32 (DeepSeek-V3's `gate.weight` from transformers 5.24) is compared with
+    # `keep_in_fp32=True`, as on CPU ranks (tests/test_quantized.py)
     cases = [{"name": name, "path": path, "dtype": "bfloat16",
-              "kwargs": {"quantization_config": spec, "staging_bytes": 64 << 10},
+              "kwargs": {"quantization_config": spec, "staging_bytes": 64 << 10,
+                         "keep_in_fp32": bool(plain_fp32_params(path, _quant_key(spec), "AutoModelForCausalLM"))},
               "out": os.path.join(workdir, f"gpu_quant_{i}.pt")}
              for i, (name, (path, spec)) in enumerate(checkpoints.items())]
     for case, dump in zip(cases, run_torchrun(1, cases, workdir, env=NCCL)):
@@ -184,7 +187,7 @@ def test_gpu_fp8_and_mxfp4_dequantized_on_read_equal_the_plain_dequantized_load(
         assert "error" not in got, f"{case['name']}: {got.get('error', {}).get('traceback')}"
         assert got["report"]["staging"]["pinned"], case["name"]
         spec = case["kwargs"]["quantization_config"]
-        reference = plain(case["path"], tuple(sorted(spec.items())), "AutoModelForCausalLM")
+        reference = plain(case["path"], _quant_key(spec), "AutoModelForCausalLM")
         assert set(got["state"]) == set(reference), case["name"]
         for name, want in reference.items():
             actual = got["state"][name]
