@@ -17,8 +17,8 @@
 # one start only on a fast machine; in two calls on the warm machine they took 390 + 118 + 165 s of the 900.
 # On an H200, 2026-11-29 (transformers 5.24): GPU_TESTS='not nvme' (7 tests) 187 s, then `run bench` in the same call's
 # remaining 245 s got through the warm rows and one EP launch only; NVMe alone 96 s on the warm machine. So in one
-# session: call 1 "run tests" with 'not nvme' plus "run nvme"-less NVMe test (~300 s), call 2 on the warm machine
-# "run bench" (~330 s); the 900 s hold both only if the machine starts fast.
+# session: call 1 "run tests" with GPU_TESTS='not nvme', then with GPU_TESTS=nvme (~300 s together); call 2, at once,
+# on the warm machine: "run bench" (~330 s); the 900 s hold both only if the machine starts fast.
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py and the GPU rows of bench_load.py (warm with
 # EP, then cold; `run nvme`: NVMe offload), keeping every log in $OUT (out/gpu when run by hand). Update the README's
 # GPU section from them. The image has no libaio either (DeepSpeed's async_io op, NVMe offload): `wheels` copies this
