@@ -342,6 +342,8 @@ def _layer_pattern_hint(model: torch.nn.Module, section: dict, autoep_config) ->
     blocks = [name for name, module in model.named_modules()
               if isinstance(getattr(module, "experts", None), torch.nn.Module)]
     for pattern in ds_private.autoep_layer_patterns(model, autoep_config):
+        if any(re.fullmatch(pattern, name) for name in blocks):
+            return ""  # the preset found the layers where they are: something else failed
         tail = pattern.removeprefix(r"model\.")
         prefixes = {m[1] for name in blocks if (m := re.fullmatch(f"(.*?){tail}", name))}
         if len(prefixes) == 1:
@@ -359,6 +361,22 @@ def _top_k_hint(model: torch.nn.Module, error: ValueError) -> str:
     if not isinstance(top_k, int):
         return ""
     return f" Its text config holds {attr[1]}={top_k}: name it in the config, expert_parallel.top_k: {top_k}"
+
+
+def _remote_code_hint(model: torch.nn.Module, error: ValueError) -> str:
+    """A checkpoint's own modeling code (`trust_remote_code=True`; the hub's DeepSeek-V2 code) can keep one module per
+    expert where the AutoEP preset takes only transformers' fused experts: DeepSpeed then cannot infer the experts'
+    shapes. transformers' own class for the model type reads the same checkpoint into fused experts (its conversion
+    ops stack the per-expert tensors), and that the preset takes."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = getattr(model.config, "model_type", None)
+    if ("storage=module_list" not in str(error) or not type(model).__module__.startswith("transformers_modules")
+            or model_type not in CONFIG_MAPPING):
+        return ""
+    return (f" This {type(model).__name__} is the checkpoint's own code (trust_remote_code=True), with one module per "
+            f"expert; transformers' own {model_type} model reads the same checkpoint into the fused experts the "
+            "preset takes: load it without trust_remote_code")
 
 
 @dataclass
@@ -404,7 +422,8 @@ class ExpertParallelLayout:
             specs = ds_private.detect_moe_layers(model, autoep_config)
         except ValueError as e:
             raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}"
-                              + _layer_pattern_hint(model, section, autoep_config) + _top_k_hint(model, e)) from e
+                              + _layer_pattern_hint(model, section, autoep_config) + _top_k_hint(model, e)
+                              + _remote_code_hint(model, e)) from e
         if not specs:
             raise ConfigError(f"DeepSpeed AutoEP found no MoE layer in this {model_type} model")
         if request.engine_refuses:

@@ -161,27 +161,39 @@ class DeepseekV3ForCausalLM(hf.DeepseekV3ForCausalLM):
 """
 
 
+def _remote_moe_code(family: str) -> tuple[str, str]:
+    """The config and modeling files of `remote_code_moe_checkpoint`: the hub's DeepSeek-V2 code has the same shape
+    as its DeepSeek-V3 code (one module per routed expert), over transformers' DeepSeek-V2 classes."""
+    if family == "deepseek_v3":
+        return REMOTE_MOE_CONFIG, REMOTE_MOE_MODELING
+    return (REMOTE_MOE_CONFIG.replace("DeepseekV3", "DeepseekV2"),
+            REMOTE_MOE_MODELING.replace("deepseek_v3", "deepseek_v2").replace("DeepseekV3", "DeepseekV2")
+            .replace("hf.DeepseekV2MoE", "hf.DeepseekV2Moe"))
+
+
 def remote_code_moe_checkpoint(dst: str, config=None, dtype: torch.dtype = torch.float32, max_shard_size: str = "20KB",
-                               seed: int = 0) -> str:
+                               seed: int = 0, family: str = "deepseek_v3") -> str:
     """A DeepSeek-V3 checkpoint as the hub ships it (`trust_remote_code=True`, model type `deepseek_v3`): its own
     modeling code, whose MoE blocks keep one module per routed expert (`mlp.experts.N.gate_proj.weight`, ...), the
     layout DeepSpeed's AutoEP preset for DeepSeek-V3 also takes (per-expert storage). Kimi-K2 reuses that code.
     `config`: a DeepseekV3Config (default: the expert-parallel tests' small one, with an odd hidden size, so that a
-    stack of local experts splits unevenly over an expert-data-parallel group of 2 or 4)."""
+    stack of local experts splits unevenly over an expert-data-parallel group of 2 or 4). `family="deepseek_v2"`:
+    the hub's DeepSeek-V2 code (DeepSeek-V2-Lite's), the same shape over DeepSeek-V2's classes."""
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     from transformers import AutoConfig, AutoModelForCausalLM
 
     os.makedirs(dst, exist_ok=True)
-    for name, text in (("configuration_deepseek.py", REMOTE_MOE_CONFIG), ("modeling_deepseek.py", REMOTE_MOE_MODELING)):
+    for name, text in zip(("configuration_deepseek.py", "modeling_deepseek.py"), _remote_moe_code(family)):
         with open(os.path.join(dst, name), "w") as f:
             f.write(text)
     if config is None:
-        config = ep_config("deepseek_v3")
-        config.hidden_size = 27
-    config.architectures = ["DeepseekV3ForCausalLM"]
-    config.auto_map = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
-                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+        config = ep_config(family)
+        config.hidden_size = 27 if family == "deepseek_v3" else config.hidden_size
+    stem = {"deepseek_v3": "DeepseekV3", "deepseek_v2": "DeepseekV2"}[family]
+    config.architectures = [f"{stem}ForCausalLM"]
+    config.auto_map = {"AutoConfig": f"configuration_deepseek.{stem}Config",
+                       "AutoModelForCausalLM": f"modeling_deepseek.{stem}ForCausalLM"}
     config.save_pretrained(dst)
     config = AutoConfig.from_pretrained(dst, trust_remote_code=True)
     torch.manual_seed(seed)

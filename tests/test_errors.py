@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from tests.checkpoints import ep_config, make_checkpoint, rewrite_checkpoint
+from tests.checkpoints import ep_config, make_checkpoint, remote_code_moe_checkpoint, rewrite_checkpoint
 from tests.conftest import run_ranks, run_torchrun
 from tests.dist_worker import TRAINER_STYLE_CONFIG, ds_config_for
 from tests.families import head_checkpoint
@@ -194,6 +194,8 @@ def bad(workdir):
         "remote_missing_one_up_proj": rewrite_checkpoint(ep_checkpoint(workdir, REMOTE), d("remote_missing_up_proj"),
                                                          lambda t: {k: v for k, v in t.items()
                                                                     if k != "model.layers.1.mlp.experts.4.up_proj.weight"}),
+        # the hub's DeepSeek-V2 code (DeepSeek-V2-Lite's): one module per expert, which AutoEP's preset does not take
+        "remote_deepseek_v2": remote_code_moe_checkpoint(d("remote_deepseek_v2"), family="deepseek_v2"),
         "missing_shard": _copy(sharded, d("missing_shard"), lambda f: os.remove(os.path.join(f, _shards(f)[1]))),
         "truncated": _copy(single, d("truncated"), truncate),
         "corrupt_header": _copy(single, d("corrupt_header"), corrupt_header),
@@ -278,6 +280,12 @@ CASES = {
         ["[rank 1]", "needs every MoE router and expert weight", "model.layers.1.mlp.experts.w3 (from ",
          "experts.3.up_proj.weight ... model.layers.1.mlp.experts.5.up_proj.weight (stacked), without "
          "model.layers.1.mlp.experts.4.up_proj.weight)"]),
+    # DeepSpeed's own refusal, with what loads it: transformers' DeepSeek-V2 fuses the same experts (not the advice to
+    # name the layer pattern, which AutoEP had matched)
+    "ep_over_the_hub_deepseek_v2_code": (
+        "remote_deepseek_v2", None, {"ep_size": 2, "trust_remote_code": True}, None, "ConfigError",
+        ["shape inference failed", "is the checkpoint's own code (trust_remote_code=True)",
+         "transformers' own deepseek_v2 model reads the same checkpoint", "load it without trust_remote_code"]),
     "dtype_conflicts_with_config_strict": ("good", _stage3(bf16={"enabled": True}),
                                            {"dtype": "float16", "strict_dtype": True}, None,
                                            "ConfigError", ["conflicts", "bfloat16", "strict_dtype=True"]),
