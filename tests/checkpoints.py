@@ -358,7 +358,7 @@ def fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128), skip
     for name in sorted(os.listdir(src)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(src, name)))
-        elif name.endswith(".json") and name != "model.safetensors.index.json":
+        elif name.endswith((".json", ".py")) and name != "model.safetensors.index.json":  # its own code travels too
             shutil.copy(os.path.join(src, name), dst)
     out = {}
     bm, bn = block

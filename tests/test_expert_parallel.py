@@ -6,7 +6,8 @@ Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
 it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where transformers 5.24
 keeps its router in fp32), and DeepSeek-V3 with the hub's own modeling code, which keeps one module per expert
-(AutoEP's per-expert storage; also trained against engine-side AutoEP). Model types without a preset whose config
+(AutoEP's per-expert storage; also trained against engine-side AutoEP), as bf16 and as FP8 (each local stack
+dequantized from the per-expert FP8 tensors on read). Model types without a preset whose config
 names their structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
 GLM-4.5 (MoE), MiniMax-M2, Granite-MoE (which no preset fits) and Qwen3-VL-MoE (a vision-language model, loaded
 through its own auto class, whose MoE layers are its language model's), one of them trained against engine-side
@@ -43,6 +44,9 @@ DEQUANTIZE = {"quant_method": "fp8", "dequantize": True}
 # DeepSeek-V3 with the hub's own modeling code (`trust_remote_code=True`): one module per expert, which AutoEP's
 # DeepSeek-V3 preset takes too (per-expert storage: each AutoEP tensor stacks the local experts' weights)
 REMOTE = "deepseek_v3_remote"
+# both at once, as DeepSeek-V3 itself ships: the hub's code over FP8 weights (per-expert stacks dequantized on read)
+REMOTE_FP8 = "deepseek_v3_remote_fp8"
+FP8_FAMILIES = (FP8, REMOTE_FP8)
 
 
 def load_kwargs(path: str) -> dict:
@@ -56,16 +60,18 @@ def load_kwargs(path: str) -> dict:
 def checkpoint(workdir: str, family: str) -> str:
     import transformers
 
-    if family == FP8:
+    if family in FP8_FAMILIES:
         config = transformers.DeepseekV3Config(  # every expert and projection dimension a whole number of blocks
             vocab_size=101, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=64,
             intermediate_size=48, moe_intermediate_size=32, n_routed_experts=6, n_shared_experts=1,
             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8, n_group=2, topk_group=1, num_experts_per_tok=2, max_position_embeddings=64,
             tie_word_embeddings=False)
-        source = make_checkpoint(os.path.join(workdir, "ep_deepseek_v3_bf16"), "deepseek_v3", dtype=torch.bfloat16,
-                                 config=config)
-        return fp8_checkpoint(source, os.path.join(workdir, f"ep_{FP8}"), block=(16, 16))
+        source = (remote_code_moe_checkpoint(os.path.join(workdir, "ep_deepseek_v3_remote_bf16"), config=config,
+                                             dtype=torch.bfloat16) if family == REMOTE_FP8 else
+                  make_checkpoint(os.path.join(workdir, "ep_deepseek_v3_bf16"), "deepseek_v3", dtype=torch.bfloat16,
+                                  config=config))
+        return fp8_checkpoint(source, os.path.join(workdir, f"ep_{family}"), block=(16, 16))
     if family == REMOTE:
         return remote_code_moe_checkpoint(os.path.join(workdir, f"ep_{REMOTE}"))
     model_class = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
@@ -79,7 +85,7 @@ RUNS = {
     2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32"),
         ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16"), (REMOTE, 2, "bfloat16"),
         # the router transformers 5.24 keeps in fp32 stays fp32 with keep_in_fp32=True, dequantized from FP8 too
-        (FP8, 2, "bfloat16", None, {"keep_in_fp32": True})],
+        (FP8, 2, "bfloat16", None, {"keep_in_fp32": True}), (REMOTE_FP8, 2, "bfloat16", None, {"keep_in_fp32": True})],
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
         (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16"), (REMOTE, 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
@@ -100,7 +106,7 @@ def dumps(workdir: str, world_size: int) -> list[tuple[dict, dict]]:
                           "path": checkpoint(workdir, family), "dtype": dtype,
                           "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
                           "ds_config": ep_ds_config(ep, dtype, family, structure), "all_ranks_state": True,
-                          "kwargs": {**({"quantization_config": DEQUANTIZE} if family == FP8 else {}),
+                          "kwargs": {**({"quantization_config": DEQUANTIZE} if family in FP8_FAMILIES else {}),
                                      **load_kwargs(checkpoint(workdir, family)), **kwargs},
                           "out": os.path.join(workdir, f"ep_w{world_size}_{family}_{ep}_{dtype}{tag.replace('/', '_')}.pt")})
         _dumps[world_size] = list(zip(cases, run_torchrun(world_size, cases, workdir)))
@@ -113,7 +119,7 @@ def _plain(path: str, dtype: str, model_class: str = "AutoModelForCausalLM", see
     import transformers
 
     extra = {}
-    if path.endswith(FP8):
+    if path.endswith(FP8_FAMILIES):
         extra = {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)}
     extra.update(load_kwargs(path))
     torch.manual_seed(seed)
@@ -223,7 +229,7 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
         buffers = sum(e.nbytes for k, e in checkpoint_.entries.items() if k.rsplit(".", 1)[-1] in leaves)
         slack = len(checkpoint_.entries) * 4 * case["ep_size"]
         largest_allocation = lambda r: r["report"]["largest_partition_numel"]  # noqa: E731
-        if case["family"] == FP8:  # a block's scale is read by every rank whose share the block straddles, and
+        if case["family"] in FP8_FAMILIES:  # a block's scale is read by every rank whose share the block straddles, and
             # dequantizing works in chunks of up to twice a partition (as in tests/test_quantized.py)
             scales = sum(e.nbytes for k, e in checkpoint_.entries.items() if k.endswith("_scale_inv"))
             assert total + (world_size - 1) * buffers <= sum(read) <= total + (world_size - 1) * (buffers + scales)
