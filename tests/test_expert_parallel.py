@@ -7,7 +7,8 @@ and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not d
 it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where transformers 5.24
 keeps its router in fp32), and DeepSeek-V3 with the hub's own modeling code, which keeps one module per expert
 (AutoEP's per-expert storage; also trained against engine-side AutoEP), as bf16 and as FP8 (each local stack
-dequantized from the per-expert FP8 tensors on read). Model types without a preset whose config
+dequantized from the per-expert FP8 tensors on read), and as Kimi-K2 ships it (that code under model type `kimi_k2`,
+whose config names DeepSeek-V3's preset). Model types without a preset whose config
 names their structure, as DeepSpeed's engine-side AutoEP requires (a preset of the same structure, or custom patterns): OLMoE,
 GLM-4.5 (MoE), MiniMax-M2, Granite-MoE (which no preset fits) and Qwen3-VL-MoE (a vision-language model, loaded
 through its own auto class, whose MoE layers are its language model's), one of them trained against engine-side
@@ -47,6 +48,10 @@ REMOTE = "deepseek_v3_remote"
 # both at once, as DeepSeek-V3 itself ships: the hub's code over FP8 weights (per-expert stacks dequantized on read)
 REMOTE_FP8 = "deepseek_v3_remote_fp8"
 FP8_FAMILIES = (FP8, REMOTE_FP8)
+# Kimi-K2: DeepSeek-V3's hub code under a model type of its own, which has no AutoEP preset: the config names
+# DeepSeek-V3's, as for engine-side AutoEP
+KIMI = "kimi_k2_remote"
+KIMI_STRUCTURE = {"preset_model": "deepseek_v3"}
 
 
 def load_kwargs(path: str) -> dict:
@@ -74,9 +79,28 @@ def checkpoint(workdir: str, family: str) -> str:
         return fp8_checkpoint(source, os.path.join(workdir, f"ep_{family}"), block=(16, 16))
     if family == REMOTE:
         return remote_code_moe_checkpoint(os.path.join(workdir, f"ep_{REMOTE}"))
+    if family == KIMI:
+        return _renamed_model_type(checkpoint(workdir, REMOTE), os.path.join(workdir, f"ep_{KIMI}"), "kimi_k2")
     model_class = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
     return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family),
                            model_class=model_class)
+
+
+def _renamed_model_type(src: str, dst: str, model_type: str) -> str:
+    """A copy of a checkpoint with its own code (`src`) whose config class and config.json name `model_type`."""
+    import json
+    import shutil
+
+    if not os.path.exists(os.path.join(dst, "config.json")):
+        shutil.copytree(src, dst + ".tmp")
+        with open(os.path.join(dst + ".tmp", "configuration_deepseek.py"), "a") as f:
+            f.write(f"\n\nDeepseekV3Config.model_type = {model_type!r}\n")
+        with open(os.path.join(dst + ".tmp", "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(dst + ".tmp", "config.json"), "w") as f:
+            json.dump({**config, "model_type": model_type}, f)
+        os.rename(dst + ".tmp", dst)
+    return dst
 
 
 # world size -> [(family, ep_size, engine dtype[, the structure the config names if not the family's own (or None),
@@ -85,7 +109,8 @@ RUNS = {
     2: [*((f, 2, "bfloat16") for f in EP_FAMILIES), ("qwen3_moe", 1, "bfloat16"), ("mixtral", 2, "float32"),
         ("olmoe", 2, "bfloat16"), ("glm4_moe", 2, "bfloat16"), (REMOTE, 2, "bfloat16"),
         # the router transformers 5.24 keeps in fp32 stays fp32 with keep_in_fp32=True, dequantized from FP8 too
-        (FP8, 2, "bfloat16", None, {"keep_in_fp32": True}), (REMOTE_FP8, 2, "bfloat16", None, {"keep_in_fp32": True})],
+        (FP8, 2, "bfloat16", None, {"keep_in_fp32": True}), (REMOTE_FP8, 2, "bfloat16", None, {"keep_in_fp32": True}),
+        (KIMI, 2, "bfloat16", KIMI_STRUCTURE)],
     3: [("qwen3_moe", 3, "bfloat16"), ("deepseek_v3", 1, "bfloat16"), ("qwen2_moe", 3, "bfloat16"),
         (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16"), (REMOTE, 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
