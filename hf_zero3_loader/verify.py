@@ -58,7 +58,9 @@ def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
     if m := re.fullmatch(r"(.*)\.experts\.(w1|w2|w3)", name):
         moe, which = m.groups()
         if f"{moe}.experts.0.gate_proj.weight" in plain:  # one module per expert (DeepSeek-V3's hub code)
-            num = sum(1 for n in plain if re.fullmatch(rf"{re.escape(moe)}\.experts\.\d+\.gate_proj\.weight", n))
+            num = 0  # experts are numbered from 0: count by lookup, not by scanning every name
+            while f"{moe}.experts.{num}.gate_proj.weight" in plain:
+                num += 1
             n, weight = num // ep_size, {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[which]
             local = range(ep_rank * n, (ep_rank + 1) * n)
             return torch.stack([plain[f"{moe}.experts.{e}.{weight}.weight"] for e in local])

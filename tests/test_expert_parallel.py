@@ -87,7 +87,8 @@ def checkpoint(workdir: str, family: str) -> str:
 
 
 def _renamed_model_type(src: str, dst: str, model_type: str) -> str:
-    """A copy of a checkpoint with its own code (`src`) whose config class and config.json name `model_type`."""
+    """A copy of a checkpoint with DeepSeek-V3's hub code (`src`) whose config class and config.json name
+    `model_type`."""
     import json
     import shutil
 
@@ -180,7 +181,9 @@ def expected(name: str, plain: dict, ep_rank: int, ep_size: int) -> tuple[tuple[
     if m := re.fullmatch(r"(.*)\.experts\.(w1|w2|w3)", name):
         moe, which = m.groups()
         if f"{moe}.experts.0.gate_proj.weight" in plain:  # one module per expert
-            num = sum(1 for n in plain if re.fullmatch(rf"{re.escape(moe)}\.experts\.\d+\.gate_proj\.weight", n))
+            num = 0  # experts are numbered from 0
+            while f"{moe}.experts.{num}.gate_proj.weight" in plain:
+                num += 1
             per_rank = num // ep_size
             sources = tuple(f"{moe}.experts.{e}.{dict(w1='gate_proj', w2='down_proj', w3='up_proj')[which]}.weight"
                             for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
