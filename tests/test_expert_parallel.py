@@ -116,7 +116,9 @@ RUNS = {
         (FP8, 3, "bfloat16"), ("minimax_m2", 3, "bfloat16"), ("granitemoe", 3, "bfloat16"), (REMOTE, 3, "bfloat16")],
     4: [("qwen3_moe", 2, "bfloat16"), ("deepseek_v3", 2, "bfloat16"), ("mixtral", 4, "bfloat16"),
         ("minimax_m3_vl_text", 2, "bfloat16"), ("olmoe", 2, "bfloat16", OLMOE_EP_PATTERNS),
-        ("qwen3_vl_moe", 2, "bfloat16"), (REMOTE, 2, "float32")],
+        ("qwen3_vl_moe", 2, "bfloat16"), (REMOTE, 2, "float32"),
+        # a stack of 3 local FP8 experts split over its expert-data-parallel pair mid-expert, mid-block
+        (REMOTE_FP8, 2, "bfloat16", None, {"keep_in_fp32": True})],
 }
 
 _dumps: dict = {}
