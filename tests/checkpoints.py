@@ -84,6 +84,49 @@ def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None
     return dst
 
 
+def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32) -> str:
+    """A DeepSeek-V3-style checkpoint as the release ships it: `config.num_hidden_layers` layers and, numbered after
+    them, the multi-token-prediction layer (`model.layers.61.*` in DeepSeek-V3, `model.layers.92.*` in GLM-4.5),
+    which the model does not build and transformers leaves unloaded (`_keys_to_ignore_on_load_unexpected`): a whole
+    decoder layer, its routed experts too, with `enorm`, `hnorm`, `eh_proj`, `shared_head` and `embed_tokens`."""
+    import copy
+
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    layers = config.num_hidden_layers
+    longer = copy.deepcopy(config)
+    longer.num_hidden_layers = layers + 1
+    full = make_checkpoint(dst + ".with_layer", "", dtype=dtype, config=longer)
+    hidden, g = config.hidden_size, torch.Generator().manual_seed(1)
+
+    def add_mtp_parts(tensors: dict) -> dict:
+        mtp = f"model.layers.{layers}."
+        shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "shared_head.norm.weight": (hidden,),
+                  "eh_proj.weight": (hidden, 2 * hidden), "shared_head.head.weight": (config.vocab_size, hidden),
+                  "embed_tokens.weight": (config.vocab_size, hidden)}
+        return {**tensors, **{mtp + n: torch.randn(s, generator=g).to(dtype) for n, s in shapes.items()}}
+
+    return rewrite_checkpoint(full, dst, add_mtp_parts, config_update={"num_hidden_layers": layers})
+
+
+def mtp_layer_keys(path: str) -> set[str]:
+    """The checkpoint keys of `with_mtp_layer`'s extra layer (none for another checkpoint): what no load reads."""
+    import json
+
+    from safetensors import safe_open
+
+    with open(os.path.join(path, "config.json")) as f:
+        layers = json.load(f).get("num_hidden_layers")  # a vision-language config keeps it in its text_config
+    if layers is None:
+        return set()
+    prefix, keys = f"model.layers.{layers}.", set()
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                keys.update(k for k in f.keys() if k.startswith(prefix))
+    return keys
+
+
 def remote_code_checkpoint(src: str, dst: str) -> str:
     """`src` (a Llama checkpoint) as a hub repo with its own modeling code (`auto_map`, loaded with
     `trust_remote_code=True`): a subclass with a new model type and one extra parameter, saved in the checkpoint."""

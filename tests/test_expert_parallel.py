@@ -4,7 +4,7 @@ the world, equals plain; each rank reads only its share; training equals DeepSpe
 
 Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 4, with ep_size equal to the world
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
-it ships (FP8), dequantized on read into the local experts (also with `keep_in_fp32=True`, where transformers 5.24
+it ships (FP8, with its multi-token-prediction layer, which no rank reads), dequantized on read into the local experts (also with `keep_in_fp32=True`, where transformers 5.24
 keeps its router in fp32), and DeepSeek-V3 with the hub's own modeling code, which keeps one module per expert
 (AutoEP's per-expert storage; also trained against engine-side AutoEP), as bf16 and as FP8 (each local stack
 dequantized from the per-expert FP8 tensors on read), and as Kimi-K2 ships it (that code under model type `kimi_k2`,
@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from tests.checkpoints import (EP_FAMILIES, EP_MODEL_CLASS, EP_NAMED_STRUCTURE, OLMOE_EP_PATTERNS, ep_config,
-                               fp8_checkpoint, make_checkpoint, remote_code_moe_checkpoint)
+                               fp8_checkpoint, make_checkpoint, mtp_layer_keys, remote_code_moe_checkpoint,
+                               with_mtp_layer)
 from tests.conftest import params_kept_in_fp32, run_torchrun
 from tests.dist_worker import NOTHING_PERSISTENT, ds_config_for
 
@@ -74,13 +75,14 @@ def checkpoint(workdir: str, family: str) -> str:
             tie_word_embeddings=False)
         source = (remote_code_moe_checkpoint(os.path.join(workdir, "ep_deepseek_v3_remote_bf16"), config=config,
                                              dtype=torch.bfloat16) if family == REMOTE_FP8 else
-                  make_checkpoint(os.path.join(workdir, "ep_deepseek_v3_bf16"), "deepseek_v3", dtype=torch.bfloat16,
-                                  config=config))
+                  with_mtp_layer(os.path.join(workdir, "ep_deepseek_v3_mtp_bf16"), config, dtype=torch.bfloat16))
         return fp8_checkpoint(source, os.path.join(workdir, f"ep_{family}"), block=(16, 16))
     if family == REMOTE:
         return remote_code_moe_checkpoint(os.path.join(workdir, f"ep_{REMOTE}"))
     if family == KIMI:
         return _renamed_model_type(checkpoint(workdir, REMOTE), os.path.join(workdir, f"ep_{KIMI}"), "kimi_k2")
+    if family == "deepseek_v3":  # as it ships: with its multi-token-prediction layer, which no load reads
+        return with_mtp_layer(os.path.join(workdir, "ep_deepseek_v3_mtp"), ep_config(family))
     model_class = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
     return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family),
                            model_class=model_class)
@@ -250,18 +252,21 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
         ranks = dump["ranks"]
         files = sorted(os.path.join(case["path"], f) for f in os.listdir(case["path"]) if f.endswith(".safetensors"))
         checkpoint_ = open_checkpoint(files)
-        total = checkpoint_.nbytes
+        # DeepSeek-V3's multi-token-prediction layer, which the model does not build: no rank reads a byte of it
+        unread = mtp_layer_keys(case["path"])
+        entries = {k: e for k, e in checkpoint_.entries.items() if k not in unread}
+        total = sum(e.nbytes for e in entries.values())
         read = [r["report"]["bytes_read"] for r in ranks]
         # every parameter byte is read by exactly one rank (the experts of an EP rank are split over its EDP group);
         # persistent buffers (DeepSeek-V3's e_score_correction_bias) are whole on every rank
         # (matched by the buffer's own name: MiniMax-M2's checkpoint keeps its original `block_sparse_moe` keys)
         leaves = {n.rsplit(".", 1)[-1] for n in buffer_names(case["path"], case["model_class"])}
-        buffers = sum(e.nbytes for k, e in checkpoint_.entries.items() if k.rsplit(".", 1)[-1] in leaves)
-        slack = len(checkpoint_.entries) * 4 * case["ep_size"]
+        buffers = sum(e.nbytes for k, e in entries.items() if k.rsplit(".", 1)[-1] in leaves)
+        slack = len(entries) * 4 * case["ep_size"]
         largest_allocation = lambda r: r["report"]["largest_partition_numel"]  # noqa: E731
         if case["family"] in FP8_FAMILIES:  # a block's scale is read by every rank whose share the block straddles, and
             # dequantizing works in chunks of up to twice a partition (as in tests/test_quantized.py)
-            scales = sum(e.nbytes for k, e in checkpoint_.entries.items() if k.endswith("_scale_inv"))
+            scales = sum(e.nbytes for k, e in entries.items() if k.endswith("_scale_inv"))
             assert total + (world_size - 1) * buffers <= sum(read) <= total + (world_size - 1) * (buffers + scales)
             slack += scales
             largest_allocation = lambda r: 2 * r["report"]["largest_partition_numel"] + (1 << 20)  # noqa: E731
