@@ -6,6 +6,7 @@
     python scripts/fuzz.py configs --model-class AutoModel ...           # as a base model (or a new task head)
     python scripts/fuzz.py configs --model-class AutoModel --families mistral_large4_text,...  # types only it knows
     python scripts/fuzz.py ep      --seed 1 --world-size 4 --cases 10   # expert parallelism on random configs
+                                                                         # (some with a multi-token-prediction layer)
     python scripts/fuzz.py ep --stream ...                               # ... to "nodes" without the files
     python scripts/fuzz.py ep --model-class AutoModelForSequenceClassification ...  # ... into a new task head
     python scripts/fuzz.py ep --families deepseek_v3_remote ...          # ... DeepSeek-V3's hub code (expert modules)
@@ -63,6 +64,20 @@ def _save_random(config, path: str, dtype, seed: int, shard: str, model_class=No
 
     return with_extra_files(make_checkpoint(path, config.model_type, dtype=dtype, seed=seed, config=config,
                                             max_shard_size=shard, model_class=model_class), config.model_type)
+
+
+def _mtp_builds(config) -> bool:
+    """Whether `config` can carry an extra (multi-token-prediction) layer: its layers are `model.layers.N` (not a
+    vision-language model's `model.language_model.layers.N`)."""
+    return isinstance(getattr(config, "num_hidden_layers", None), int) and getattr(config, "text_config", None) is None
+
+
+def _save_with_mtp_layer(config, path: str, dtype, seed: int, shard: str, model_class=None) -> str:
+    """`_save_random` with a multi-token-prediction layer after the model's last (tests/checkpoints.with_mtp_layer)."""
+    from tests.checkpoints import with_mtp_layer
+    from tests.families import with_extra_files
+
+    return with_extra_files(with_mtp_layer(path, config, dtype, shard, seed, model_class), config.model_type)
 
 
 def random_checkpoints(workdir: str, rng: random.Random, n: int, seed: int, families=None,
@@ -325,9 +340,14 @@ def run_ep(args, rng) -> list[str]:
         dtype = rng.choice([torch.bfloat16, torch.float32])
         saved_as = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
         folder, shard = os.path.join(args.workdir, "ep", f"{family}_{args.seed}_{i}"), rng.choice(["10GB", "9KB"])
+        # at times as DeepSeek-V3 and GLM-4.5 ship: a multi-token-prediction layer after the last, which no load
+        # reads (drawn apart, so that a seed draws what it drew before this was added)
+        mtp = family != REMOTE and random.Random(f"mtp/{args.seed}/{i}").random() < 0.3 and _mtp_builds(config)
         path = (remote_code_moe_checkpoint(folder, config, dtype, shard, seed=i) if family == REMOTE
+                else _save_with_mtp_layer(config, folder + "_mtp", dtype, i, shard, saved_as) if mtp
                 else _save_random(config, folder, dtype, i, shard, saved_as))
-        case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}", "ep_size": ep, "path": path,
+        case = {"name": f"{family}#{i} ep{ep} {experts} experts {str(dtype)[6:]}{' +mtp' * mtp}", "ep_size": ep,
+                "path": path,
                 "dtype": "bfloat16", "all_ranks_state": True,
                 "ds_config": ep_ds_config(ep, "bfloat16", kind, _ep_structure(kind, config, model_class)),
                 "model_class": model_class, "seed": 11,  # a new head: drawn as the seeded plain load draws it

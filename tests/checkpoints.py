@@ -84,29 +84,50 @@ def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None
     return dst
 
 
-def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32) -> str:
+def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32, max_shard_size: str = "10GB", seed: int = 0,
+                   model_class=None) -> str:
     """A DeepSeek-V3-style checkpoint as the release ships it: `config.num_hidden_layers` layers and, numbered after
     them, the multi-token-prediction layer (`model.layers.61.*` in DeepSeek-V3, `model.layers.92.*` in GLM-4.5),
     which the model does not build and transformers leaves unloaded (`_keys_to_ignore_on_load_unexpected`): a whole
-    decoder layer, its routed experts too, with `enorm`, `hnorm`, `eh_proj`, `shared_head` and `embed_tokens`."""
+    decoder layer, its routed experts too, with `enorm`, `hnorm`, `eh_proj`, `shared_head` and `embed_tokens`.
+    Sharded at `max_shard_size` as `save_pretrained` shards (the extra layer in the last shards, as released)."""
     import copy
+    import json
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import load_file
 
     if os.path.exists(os.path.join(dst, "config.json")):
         return dst
     layers = config.num_hidden_layers
     longer = copy.deepcopy(config)
     longer.num_hidden_layers = layers + 1
-    full = make_checkpoint(dst + ".with_layer", "", dtype=dtype, config=longer)
-    hidden, g = config.hidden_size, torch.Generator().manual_seed(1)
-
-    def add_mtp_parts(tensors: dict) -> dict:
-        mtp = f"model.layers.{layers}."
-        shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "shared_head.norm.weight": (hidden,),
-                  "eh_proj.weight": (hidden, 2 * hidden), "shared_head.head.weight": (config.vocab_size, hidden),
-                  "embed_tokens.weight": (config.vocab_size, hidden)}
-        return {**tensors, **{mtp + n: torch.randn(s, generator=g).to(dtype) for n, s in shapes.items()}}
-
-    return rewrite_checkpoint(full, dst, add_mtp_parts, config_update={"num_hidden_layers": layers})
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer (Qwen2-MoE's, Qwen3.5's)
+        longer.layer_types = [*config.layer_types, config.layer_types[-1]]
+    full = make_checkpoint(dst + ".with_layer", "", dtype=dtype, config=longer, seed=seed, model_class=model_class)
+    tensors = {}
+    for name in sorted(os.listdir(full)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(full, name)))
+    mtp, hidden, g = f"model.layers.{layers}.", config.hidden_size, torch.Generator().manual_seed(seed + 1)
+    shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "shared_head.norm.weight": (hidden,),
+              "eh_proj.weight": (hidden, 2 * hidden), "shared_head.head.weight": (config.vocab_size, hidden),
+              "embed_tokens.weight": (config.vocab_size, hidden)}
+    tensors.update({mtp + n: torch.randn(shape, generator=g).to(dtype) for n, shape in shapes.items()})
+    # the model's layers first, in save_pretrained's order, then the extra layer: it lands in the last shards
+    ordered = dict(sorted(tensors.items(), key=lambda kv: kv[0].startswith(mtp)))
+    os.makedirs(dst + ".tmp", exist_ok=True)
+    save_torch_state_dict(ordered, dst + ".tmp", max_shard_size=max_shard_size, metadata={"format": "pt"})
+    for name in os.listdir(full):
+        if name.endswith(".json") and name != "model.safetensors.index.json":
+            shutil.copy(os.path.join(full, name), os.path.join(dst + ".tmp", name))
+    with open(os.path.join(dst + ".tmp", "config.json")) as f:
+        saved = json.load(f)
+    with open(os.path.join(dst + ".tmp", "config.json"), "w") as f:
+        json.dump({**saved, **{k: getattr(config, k) for k in ("num_hidden_layers", "layer_types") if k in saved}}, f)
+    os.rename(dst + ".tmp", dst)
+    return dst
 
 
 def mtp_layer_keys(path: str) -> set[str]:

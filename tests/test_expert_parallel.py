@@ -81,8 +81,8 @@ def checkpoint(workdir: str, family: str) -> str:
         return remote_code_moe_checkpoint(os.path.join(workdir, f"ep_{REMOTE}"))
     if family == KIMI:
         return _renamed_model_type(checkpoint(workdir, REMOTE), os.path.join(workdir, f"ep_{KIMI}"), "kimi_k2")
-    if family == "deepseek_v3":  # as it ships: with its multi-token-prediction layer, which no load reads
-        return with_mtp_layer(os.path.join(workdir, "ep_deepseek_v3_mtp"), ep_config(family))
+    if family == "deepseek_v3":  # as it ships: sharded, its multi-token-prediction layer (which no load reads) last
+        return with_mtp_layer(os.path.join(workdir, "ep_deepseek_v3_mtp"), ep_config(family), max_shard_size="20KB")
     model_class = getattr(transformers, EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
     return make_checkpoint(os.path.join(workdir, f"ep_{family}"), family, config=ep_config(family),
                            model_class=model_class)
