@@ -103,8 +103,10 @@ def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32, max_sha
     layers = config.num_hidden_layers
     longer = copy.deepcopy(config)
     longer.num_hidden_layers = layers + 1
-    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer (Qwen2-MoE's, Qwen3.5's)
-        longer.layer_types = [*config.layer_types, config.layer_types[-1]]
+    # lists with an entry per layer (`layer_types`, MiniMax-M3's `mlp_layer_types`, ...) get one for the extra layer
+    per_layer = [k for k, v in config.to_dict().items() if isinstance(v, list) and len(v) == layers and v]
+    for key in per_layer:
+        setattr(longer, key, [*getattr(config, key), getattr(config, key)[-1]])
     full = make_checkpoint(dst + ".with_layer", "", dtype=dtype, config=longer, seed=seed, model_class=model_class)
     tensors = {}
     for name in sorted(os.listdir(full)):
@@ -125,7 +127,7 @@ def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32, max_sha
     with open(os.path.join(dst + ".tmp", "config.json")) as f:
         saved = json.load(f)
     with open(os.path.join(dst + ".tmp", "config.json"), "w") as f:
-        json.dump({**saved, **{k: getattr(config, k) for k in ("num_hidden_layers", "layer_types") if k in saved}}, f)
+        json.dump({**saved, "num_hidden_layers": layers, **{k: getattr(config, k) for k in per_layer if k in saved}}, f)
     os.rename(dst + ".tmp", dst)
     return dst
 
