@@ -4,8 +4,9 @@ the world, equals plain; each rank reads only its share; training equals DeepSpe
 
 Every family DeepSpeed 0.19.8 has an AutoEP preset for, at world sizes 2, 3 and 4, with ep_size equal to the world
 and smaller (expert-data-parallel groups of 2 and 3), sizes that do and do not divide those groups; and DeepSeek-V3 as
-it ships (FP8, with its multi-token-prediction layer, which no rank reads), dequantized on read into the local experts (also with `keep_in_fp32=True`, where transformers 5.24
-keeps its router in fp32), and DeepSeek-V3 with the hub's own modeling code, which keeps one module per expert
+it ships (FP8, with its multi-token-prediction layer, which no rank reads), dequantized on read into the local
+experts (also with `keep_in_fp32=True`, where transformers 5.24 keeps its router in fp32), and DeepSeek-V3 with the
+hub's own modeling code, which keeps one module per expert
 (AutoEP's per-expert storage; also trained against engine-side AutoEP), as bf16 and as FP8 (each local stack
 dequantized from the per-expert FP8 tensors on read), and as Kimi-K2 ships it (that code under model type `kimi_k2`,
 whose config names DeepSeek-V3's preset). Model types without a preset whose config
