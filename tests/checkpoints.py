@@ -57,11 +57,14 @@ def transpose_experts(tensors: dict) -> dict:
     return {k: (v.transpose(1, 2) if ".mlp.experts." in k else v) for k, v in tensors.items()}
 
 
-def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None = None) -> str:
-    """Copy checkpoint `src` to `dst` with its tensors passed through `transform(dict) -> dict`."""
+def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None = None,
+                       max_shard_size: str | None = None) -> str:
+    """Copy checkpoint `src` to `dst` with its tensors passed through `transform(dict) -> dict`: one file, or
+    shards of `max_shard_size` in the order `transform` returns them (as `save_pretrained` shards)."""
     import json
     import shutil
 
+    from huggingface_hub import save_torch_state_dict
     from safetensors.torch import load_file, save_file
 
     if os.path.exists(os.path.join(dst, "config.json")):
@@ -73,8 +76,11 @@ def rewrite_checkpoint(src: str, dst: str, transform, config_update: dict | None
             tensors.update(load_file(os.path.join(src, name)))
         elif (name.endswith(".json") and name != "model.safetensors.index.json") or name.endswith(".py"):
             shutil.copy(os.path.join(src, name), os.path.join(dst, name))  # config, and custom modeling code
-    save_file({k: v.contiguous() for k, v in transform(tensors).items()}, os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
+    if max_shard_size is None:
+        save_file({k: v.contiguous() for k, v in transform(tensors).items()}, os.path.join(dst, "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        save_torch_state_dict(transform(tensors), dst, max_shard_size=max_shard_size, metadata={"format": "pt"})
     if config_update:
         with open(os.path.join(dst, "config.json")) as f:
             config = json.load(f)
@@ -92,14 +98,7 @@ def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32, max_sha
     decoder layer, its routed experts too, with `enorm`, `hnorm`, `eh_proj`, `shared_head` and `embed_tokens`.
     Sharded at `max_shard_size` as `save_pretrained` shards (the extra layer in the last shards, as released)."""
     import copy
-    import json
-    import shutil
 
-    from huggingface_hub import save_torch_state_dict
-    from safetensors.torch import load_file
-
-    if os.path.exists(os.path.join(dst, "config.json")):
-        return dst
     layers = config.num_hidden_layers
     longer = copy.deepcopy(config)
     longer.num_hidden_layers = layers + 1
@@ -108,46 +107,24 @@ def with_mtp_layer(dst: str, config, dtype: torch.dtype = torch.float32, max_sha
     for key in per_layer:
         setattr(longer, key, [*getattr(config, key), getattr(config, key)[-1]])
     full = make_checkpoint(dst + ".with_layer", "", dtype=dtype, config=longer, seed=seed, model_class=model_class)
-    tensors = {}
-    for name in sorted(os.listdir(full)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(full, name)))
-    mtp, hidden, g = f"model.layers.{layers}.", config.hidden_size, torch.Generator().manual_seed(seed + 1)
+    mtp, hidden, g = mtp_layer_prefix(config), config.hidden_size, torch.Generator().manual_seed(seed + 1)
     shapes = {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "shared_head.norm.weight": (hidden,),
               "eh_proj.weight": (hidden, 2 * hidden), "shared_head.head.weight": (config.vocab_size, hidden),
               "embed_tokens.weight": (config.vocab_size, hidden)}
-    tensors.update({mtp + n: torch.randn(shape, generator=g).to(dtype) for n, shape in shapes.items()})
-    # the model's layers first, in save_pretrained's order, then the extra layer: it lands in the last shards
-    ordered = dict(sorted(tensors.items(), key=lambda kv: kv[0].startswith(mtp)))
-    os.makedirs(dst + ".tmp", exist_ok=True)
-    save_torch_state_dict(ordered, dst + ".tmp", max_shard_size=max_shard_size, metadata={"format": "pt"})
-    for name in os.listdir(full):
-        if name.endswith(".json") and name != "model.safetensors.index.json":
-            shutil.copy(os.path.join(full, name), os.path.join(dst + ".tmp", name))
-    with open(os.path.join(dst + ".tmp", "config.json")) as f:
-        saved = json.load(f)
-    with open(os.path.join(dst + ".tmp", "config.json"), "w") as f:
-        json.dump({**saved, "num_hidden_layers": layers, **{k: getattr(config, k) for k in per_layer if k in saved}}, f)
-    os.rename(dst + ".tmp", dst)
-    return dst
+
+    def add_mtp_parts(tensors: dict) -> dict:  # the model's layers first, then the extra one: it fills the last shards
+        tensors = {**tensors, **{mtp + n: torch.randn(shape, generator=g).to(dtype) for n, shape in shapes.items()}}
+        return dict(sorted(tensors.items(), key=lambda kv: kv[0].startswith(mtp)))
+
+    return rewrite_checkpoint(full, dst, add_mtp_parts, max_shard_size=max_shard_size,
+                              config_update={"num_hidden_layers": layers, **{k: getattr(config, k) for k in per_layer}})
 
 
-def mtp_layer_keys(path: str) -> set[str]:
-    """The checkpoint keys of `with_mtp_layer`'s extra layer (none for another checkpoint): what no load reads."""
-    import json
-
-    from safetensors import safe_open
-
-    with open(os.path.join(path, "config.json")) as f:
-        layers = json.load(f).get("num_hidden_layers")  # a vision-language config keeps it in its text_config
-    if layers is None:
-        return set()
-    prefix, keys = f"model.layers.{layers}.", set()
-    for name in os.listdir(path):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
-                keys.update(k for k in f.keys() if k.startswith(prefix))
-    return keys
+def mtp_layer_prefix(config) -> str | None:
+    """The key prefix of `with_mtp_layer`'s extra layer, for a config object or config.json's dict (None where the
+    config keeps its depth elsewhere: a vision-language model's text_config)."""
+    layers = config.get("num_hidden_layers") if isinstance(config, dict) else getattr(config, "num_hidden_layers", None)
+    return None if layers is None else f"model.layers.{layers}."
 
 
 def remote_code_checkpoint(src: str, dst: str) -> str:
