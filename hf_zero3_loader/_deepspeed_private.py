@@ -89,10 +89,9 @@ def separate_nvme_path(ds_config: dict) -> dict:
     """`ds_config`, or with NVMe parameter offload whose `nvme_path` a live model's swapper already uses, a copy
     whose `nvme_path` is a free folder below it (`hf_zero3_loader_model<n>`): the new swapper empties its folder when
     built, which would delete the live model's swap files (its next gather fails; transformers' path does that)."""
-    from .deepspeed_setup import nvme_param_offload
-
-    offload = nvme_param_offload(ds_config)
-    if offload is None or not offload.get("nvme_path"):
+    # the section read as `deepspeed_setup.nvme_param_offload` reads it (that module sits above this one)
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_param") or {}
+    if str(offload.get("device", "none")).lower() != "nvme" or not offload.get("nvme_path"):
         return ds_config
     in_use = {os.path.normpath(str(s.swap_config.nvme_path)) for s in list(_LIVE_NVME_SWAPPERS)}
     path = os.path.normpath(str(offload["nvme_path"]))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._deepspeed_private import arch_list_the_op_builder_cannot_parse
 from .errors import ConfigError
 
 
@@ -195,8 +196,6 @@ def check_supported(setup: DeepSpeedSetup) -> None:
         if not async_io_buildable():
             raise ConfigError("NVMe parameter offload (offload_param.device='nvme') needs DeepSpeed's async_io op, "
                               "which cannot be built here: install libaio (e.g. `apt install libaio-dev`)")
-        from ._deepspeed_private import arch_list_the_op_builder_cannot_parse
-
         bad = arch_list_the_op_builder_cannot_parse("async_io")
         if bad:  # DeepSpeed's own message is "invalid literal for int() with base 10: '0a'", on transformers' path too
             raise ConfigError(f"NVMe parameter offload needs DeepSpeed's async_io op, built on first use, and "

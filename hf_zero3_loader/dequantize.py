@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import TensorEntry
+from .reader import read_stored
 
 CHUNK_ELEMENTS = 1 << 20  # elements computed at once: bounds the index and fp32 temporaries
 
@@ -89,8 +90,6 @@ def _read_stored(reader, entry: TensorEntry, start: int, out: torch.Tensor) -> N
     if stand_in is not None:
         stand_in(entry, start, out)
         return
-    from .reader import read_stored  # imported here: reader -> planner -> ops -> this module
-
     read_stored(reader, entry, start, out)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from .checkpoint import FileIdentity, TensorEntry
 from .errors import CheckpointError
-from .planner.plan import ReadItem
+from .read_item import ReadItem
 
 STAGING_BYTES = 64 << 20  # largest staging buffer for casts and strided boxes; also the largest coalesced read
 MAX_IOVECS = 512  # buffers per coalesced preadv (Linux allows 1024)

@@ -42,7 +42,8 @@ import torch
 from .checkpoint import (SAFETENSORS_DTYPES, STATE_DICT_VALUES, Checkpoint, TensorEntry, _open_pickled,
                          _pickled_fingerprint, _read_header, local_checkpoint, state_dict_fingerprint)
 from .errors import CheckpointError, ConfigError, LoaderError, PeerFailed
-from .planner.plan import LoadPlan, ReadItem
+from .planner.plan import LoadPlan
+from .read_item import ReadItem
 
 MODES = ("auto", "read", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20

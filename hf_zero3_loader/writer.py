@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import CheckpointError, LoaderError
-from .planner.plan import ReadItem
+from .read_item import ReadItem
 from .reader import STAGING_BYTES, OpenFiles, _as_bytes, run_in_threads
 
 

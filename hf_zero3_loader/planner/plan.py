@@ -21,6 +21,7 @@ from transformers import core_model_loading as cml
 from ..agreement import digest
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, LoaderError
+from ..read_item import ReadItem  # noqa: F401  (also named here: the plan's items)
 from .ops import ConversionInputError, apply_converter
 from .symbolic import Run, Sym, slice_along, stack_along, to_leaf_runs
 
@@ -39,35 +40,6 @@ class PartitionGroup:
 
 
 WORLD = "world"
-
-
-@dataclass(frozen=True)
-class ReadItem:
-    """Copy a box of a checkpoint tensor into the destination, like DCP's ReadItem.
-
-    The box is `rows` runs of `cols` contiguous elements, the first at element `src_offset` of tensor
-    `key` in `file`, the next `row_stride` elements further. They land at element `dst_offset` of the
-    destination, row-major, or column-major if `transposed` (a transpose of the last dimension).
-    """
-
-    file: str
-    key: str
-    src_dtype: torch.dtype
-    src_offset: int
-    rows: int
-    cols: int
-    row_stride: int
-    dst_offset: int
-    transposed: bool = False
-    stored_bytes_per_element: float = 0.0  # a computed (dequantized) tensor: checkpoint bytes behind each element
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-    @property
-    def stored_bytes(self) -> int:
-        return math.ceil(self.numel * (self.stored_bytes_per_element or self.src_dtype.itemsize))
 
 
 @dataclass
