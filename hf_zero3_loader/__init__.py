@@ -1,12 +1,13 @@
 """Load Hugging Face checkpoints straight into DeepSpeed ZeRO-3 partitions: every rank reads only its bytes."""
 
+from ._version import __version__
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, DistributedLoadError, LoaderError, UnsupportedConversionError
 from .loader import LoadReport, from_pretrained
 from .saving import SaveReport, save_pretrained
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "__version__",
     "from_pretrained",
     "save_pretrained",
     "LoadReport",

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+from ._version import __version__
 from .errors import LoaderError
 
 
@@ -259,6 +260,7 @@ def _bench(args, rest) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-zero3-loader")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="show what each rank reads, without reading tensor data")
     plan.add_argument("checkpoint")
