@@ -1,6 +1,6 @@
 """Runs inside each rank of a real `torchrun` job: loads checkpoints with hf_zero3_loader, gathers, dumps.
 
-Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json
+Usage: torchrun --nproc_per_node W tests/dist_worker.py CASES.json   (or `--serve FOLDER`: a pool, see `serve`)
 Each case: {"path", "out", "dtype", "model_class", "kwargs", "ds_config"(optional), "train_steps"(optional),
 "checkpoint_roundtrip"(optional), "all_ranks_state"(optional), "save"(optional: {"dir", "kwargs", "reference"}),
 "load_again"(optional: a second model loaded the same way, kept while the first is gathered and trained),
@@ -593,18 +593,10 @@ def inject_save_fault(case: dict):
     return undo
 
 
-def main() -> None:
-    import deepspeed
-
-    # gloo on CPU; tests/test_gpu.py sets nccl on an accelerator
-    backend = os.environ.get("HF_ZERO3_TEST_BACKEND", "gloo")
-    if os.environ.get("HF_ZERO3_TEST_TORCH_PROCESS_GROUP"):  # a script that starts its own group, not DeepSpeed's
-        dist.init_process_group(backend)
-    else:
-        deepspeed.init_distributed(dist_backend=backend)
-    with open(sys.argv[1]) as f:
-        cases = json.load(f)
+def run_cases(cases: list[dict]) -> None:
+    """Each case in turn on every rank; rank 0 writes each case's `out` (after every rank wrote its own, if asked)."""
     for case in cases:
+        print(f"[dist_worker] rank {dist.get_rank()}: case {case.get('name', case['out'])}", flush=True)
         result = run_case(case)
         if case.get("per_rank_out"):  # written before any collective: a dead peer cannot stop it
             torch.save({k: v for k, v in result.items() if k not in ("state", "trained_state")},
@@ -615,6 +607,64 @@ def main() -> None:
         if dist.get_rank() == 0:
             torch.save({"rank0": result, "ranks": results}, case["out"])
         dist.barrier()
+
+
+# What a case may leave behind in its process that would change a later case's run: transformers' from_pretrained
+# routed through the loader (`hf_zero3_loader.auto`), zero.Init's process-wide replacement of `F.linear` (an upstream
+# load), a patched loader internal (fault injection), a lowered descriptor limit. A pool that ran such a case retires.
+LEAVES_STATE = ("upstream", "callers_zero_init", "inject", "save_inject", "max_open_files")
+FRESH_SEED = torch.initial_seed()  # the seed a new process starts from
+FRESH_LINEAR = torch.nn.functional.linear
+
+
+def leaves_state(cases: list[dict]) -> bool:
+    return (any(key in case for case in cases for key in LEAVES_STATE)
+            or any(case.get("save", {}).get("direct") for case in cases)
+            or "hf_zero3_loader.auto" in sys.modules or torch.nn.functional.linear is not FRESH_LINEAR)
+
+
+def serve(folder: str) -> None:
+    """A pool's ranks (tests/conftest.py `TorchrunPool`): run the requests `folder/request_N.json` in order, each as
+    a fresh launch would (the RNG where a new process has it), writing `folder/done_N` when every rank is through.
+    The launch's imports and process group are paid once for all of them. After a request whose cases leave state
+    behind, the ranks exit instead of taking the next one."""
+    n = 0
+    while True:
+        request = os.path.join(folder, f"request_{n}.json")
+        while not os.path.exists(request):
+            if os.path.exists(os.path.join(folder, "stop")):
+                return
+            time.sleep(0.05)
+        with open(request) as f:
+            cases = json.load(f)
+        torch.manual_seed(FRESH_SEED)
+        run_cases(cases)
+        retire = [leaves_state(cases)]
+        dist.broadcast_object_list(retire, src=0)  # rank 0's word, so that all ranks retire together
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(folder, f"done_{n}.tmp"), "w") as f:
+                json.dump({"retire": retire[0]}, f)
+            os.replace(os.path.join(folder, f"done_{n}.tmp"), os.path.join(folder, f"done_{n}"))
+        if retire[0]:
+            return
+        n += 1
+
+
+def main() -> None:
+    import deepspeed
+
+    # gloo on CPU; tests/test_gpu.py sets nccl on an accelerator
+    backend = os.environ.get("HF_ZERO3_TEST_BACKEND", "gloo")
+    if os.environ.get("HF_ZERO3_TEST_TORCH_PROCESS_GROUP"):  # a script that starts its own group, not DeepSpeed's
+        dist.init_process_group(backend)
+    else:
+        deepspeed.init_distributed(dist_backend=backend)
+    if sys.argv[1] == "--serve":
+        serve(sys.argv[2])
+    else:
+        with open(sys.argv[1]) as f:
+            run_cases(json.load(f))
     dist.destroy_process_group()
     # Results are written. Skip interpreter finalisation: gloo's worker threads can still hold tensors then and
     # abort the process ("terminate called without an active exception", a known torch teardown race).

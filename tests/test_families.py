@@ -4,7 +4,10 @@ transformers' own save_pretrained writes); and with its second layer and head mi
 them at world size 3 to the plain load's values (same seed) through the byte-bounded chunks of `missing_init.py`.
 Families whose own config ties the output embedding load tied at world size 3 as well; tied names must be one tensor,
 as in the plain load, not equal copies. Other heads (HEAD_SWEEP) load and save at world size 3, and pretrained bodies
-load into new task heads. The model cards name exactly these families."""
+load into new task heads. The model cards name exactly these families.
+
+Tiers (tests/tiers.py): each check runs in the default tier over the representative families (REPRESENTATIVE,
+REPRESENTATIVE_HEADS) and in the sweep over every family of the slice."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import re
 import pytest
 import torch
 
+from tests import tiers
 from tests.checkpoints import rewrite_checkpoint
 from tests.conftest import run_torchrun
 from tests.families import (EXTRA_FILES_FOR, HEAD_SWEEP, HEAD_SWEEP_WORLD_SIZE, SWEEP, SWEEP_WORLD_SIZES,
@@ -21,9 +25,23 @@ from tests.families import (EXTRA_FILES_FOR, HEAD_SWEEP, HEAD_SWEEP_WORLD_SIZE, 
 from tests.test_saving import same_files
 
 
-@pytest.fixture(scope="module")
-def checkpoints(workdir):
-    return {t: sweep_checkpoint(workdir, t) for t in SWEEP}
+# The default tier's families: dense untied (Llama), tied by their own config (Gemma; GPT-2's Conv1D), fused MoE
+# (Qwen3-MoE), MLA with shared experts (DeepSeek-V3), hybrid conv + MoE (LFM2-MoE) and Mamba + attention + MoE
+# (Granite-MoE-hybrid)
+REPRESENTATIVE = ("llama", "gemma", "gpt2", "qwen3_moe", "deepseek_v3", "lfm2_moe", "granitemoehybrid")
+# and heads: a vision-language MoE, an encoder-decoder with one module per expert, a masked LM (tied head)
+REPRESENTATIVE_HEADS = {"AutoModelForImageTextToText": ("qwen3_vl_moe",),
+                        "AutoModelForSeq2SeqLM": ("switch_transformers",), "AutoModelForMaskedLM": ("bert",)}
+TIERS = [pytest.param("default"), pytest.param("sweep", marks=pytest.mark.sweep(by_type=True))]
+
+
+def families(tier: str, of=SWEEP) -> list:
+    """The model types a check runs over: the representative ones by default, the sweep slice's in the sweep."""
+    return [t for t in of if t in REPRESENTATIVE] if tier == "default" else tiers.sliced(of)
+
+
+def sweep_checkpoints(workdir: str, types) -> dict:
+    return {t: sweep_checkpoint(workdir, t) for t in types}
 
 
 def compare_with_plain_loads(cases: list[dict], world_size: int, workdir: str, seed=None, as_expected=None) -> list:
@@ -97,8 +115,10 @@ def save_failure(case: dict, dump: dict, loads_back_whole: bool = True) -> str |
 SAVE_WORLD_SIZE = 3  # (partitions padded) the save sweep loads there and checks the load too
 
 
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("world_size", [w for w in SWEEP_WORLD_SIZES if w != SAVE_WORLD_SIZE])
-def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, world_size):
+def test_every_family_in_the_sweep_equals_the_plain_load(workdir, world_size, tier):
+    checkpoints = sweep_checkpoints(workdir, families(tier))
     cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_{t}_w{world_size}.pt")}
              for t, path in checkpoints.items()]
     failures = compare_with_plain_loads(cases, world_size, workdir)
@@ -108,10 +128,13 @@ def test_every_family_in_the_sweep_equals_the_plain_load(checkpoints, workdir, w
 STAGED_BUDGET = 64 * 1024  # bytes: many slots per rank, each holding pieces of several destinations
 
 
-def test_every_family_in_the_sweep_equals_the_plain_load_through_the_staged_path(checkpoints, workdir):
+@pytest.mark.sweep(by_type=True)
+def test_every_family_in_the_sweep_equals_the_plain_load_through_the_staged_path(workdir):
     """The accelerator path (host staging slots, pieces laid out in destination order, one copy per run), forced on
     CPU ranks: every family at W=3 (partitions padded) with a 64 KiB budget and 2 reader threads equals the plain
-    load bit for bit and by dtype, and every load took the staged path."""
+    load bit for bit and by dtype, and every load took the staged path. (The default tier's staged loads:
+    tests/test_staging.py.)"""
+    checkpoints = sweep_checkpoints(workdir, tiers.sliced(SWEEP))
     cases = [{"name": t, "path": path, "dtype": "float32",
               "kwargs": {"staging_bytes": STAGED_BUDGET, "read_threads": 2},
               "out": os.path.join(workdir, f"sweep_staged_{t}.pt")} for t, path in checkpoints.items()]
@@ -139,6 +162,7 @@ def dory_in_its_original_layout(path: str, dst: str) -> str:
     return rewrite_checkpoint(path, dst, split_layers)
 
 
+@pytest.mark.sweep(by_type=True)
 def test_families_new_in_transformers_5_24_load_and_save_like_plain_transformers(workdir):
     """With transformers 5.24 installed: its new model types at W=3, loaded bit-exact and saved into the files its
     save_pretrained writes (Inkling2-Loop's unembedding padded in the file, unpadded by a 5.24 conversion op, and
@@ -153,7 +177,7 @@ def test_families_new_in_transformers_5_24_load_and_save_like_plain_transformers
     import transformers
 
     cases = []
-    for model_class, t in NEW_IN_5_24:
+    for model_class, t in tiers.sliced(NEW_IN_5_24, key=lambda entry: entry[1]):
         config = (small_config(t) if model_class == "AutoModelForCausalLM" else small_head_config(t, model_class))
         path = make_checkpoint(os.path.join(workdir, "new_in_5_24", t), t, config=config,
                                model_class=getattr(transformers, model_class), sharded=True)
@@ -170,7 +194,8 @@ def test_families_new_in_transformers_5_24_load_and_save_like_plain_transformers
     assert not failures, "\n".join(failures)
 
 
-def test_families_whose_config_ties_the_embeddings_equal_the_plain_load_tied(workdir):
+@pytest.mark.parametrize("tier", TIERS)
+def test_families_whose_config_ties_the_embeddings_equal_the_plain_load_tied(workdir, tier):
     """The sweep's families whose own config ties the output embedding to the input one (Gemma, GPT-2, BERT, ...),
     loaded at W=3 with that tie kept: the same values, and the tied names one tensor, as in the plain load; saved
     without a gather into the files transformers' save_pretrained writes (the tied copy left out, as it does)."""
@@ -178,6 +203,7 @@ def test_families_whose_config_ties_the_embeddings_equal_the_plain_load_tied(wor
 
     tied = [t for t in SWEEP if t not in NOT_TIED and ties_embeddings(small_config(t, tied=True))]
     assert len(tied) > 50
+    tied = families(tier, tied)
     cases = [{"name": f"{t} (tied)", "path": sweep_checkpoint(workdir, t, tied=True), "dtype": "float32",
               "out": os.path.join(workdir, f"sweep_tied_{t}.pt"),
               "save": {"dir": os.path.join(workdir, "sweep_tied_saved", t), "kwargs": {}, "reference": True}}
@@ -187,12 +213,13 @@ def test_families_whose_config_ties_the_embeddings_equal_the_plain_load_tied(wor
     assert not failures, "\n".join(failures)
 
 
-def test_every_family_in_the_sweep_loads_at_3_ranks_and_saves_the_files_plain_save_pretrained_writes(checkpoints,
-                                                                                                      workdir):
+@pytest.mark.parametrize("tier", TIERS)
+def test_every_family_in_the_sweep_loads_at_3_ranks_and_saves_the_files_plain_save_pretrained_writes(workdir, tier):
     """Loaded at W=3, equal to the plain load (the sweep's third world size), then saved with
     hf_zero3_loader.save_pretrained (each rank writes its share): the folder is byte for byte what transformers'
     save_pretrained writes for the gathered model, and loads back with nothing missing."""
     assert SAVE_WORLD_SIZE in SWEEP_WORLD_SIZES
+    checkpoints = sweep_checkpoints(workdir, families(tier))
     cases = [{"name": t, "path": path, "dtype": "float32", "out": os.path.join(workdir, f"sweep_save_{t}.pt"),
               "save": {"dir": os.path.join(workdir, "sweep_saved", t), "kwargs": {}, "reference": True}}
              for t, path in checkpoints.items()]
@@ -208,21 +235,24 @@ HEAD_KWARGS = {t: {"allow_suspicious_missing_keys": True} for t in PLAIN_LOAD_MI
 HEAD_KWARGS["oneformer"] = {"keep_in_fp32": True}
 
 
-@pytest.mark.parametrize("model_class", sorted(HEAD_SWEEP))
-def test_other_heads_load_and_save_like_plain_transformers(workdir, model_class):
+@pytest.mark.parametrize("model_class, tier", [
+    *(pytest.param(c, "default", id=f"{c}-default") for c in sorted(REPRESENTATIVE_HEADS)),
+    *(pytest.param(c, "sweep", marks=pytest.mark.sweep(by_type=True), id=f"{c}-sweep") for c in sorted(HEAD_SWEEP))])
+def test_other_heads_load_and_save_like_plain_transformers(workdir, model_class, tier):
     """The other heads (vision-language, encoder-decoder, classifiers, detectors, ...) at W=3, each through its own
     auto class: loaded bit-exact, then saved without a gather into byte for byte the files transformers'
     save_pretrained writes.
     Seeded like the plain load: a checkpoint transformers itself cannot load back whole (shieldgemma2 saves its
     language model under a prefix its loader does not map) is refused by default (tests/test_missing_and_guards.py);
     with the opt-out it gets the same random init as the plain load for what is missing."""
+    types = REPRESENTATIVE_HEADS[model_class] if tier == "default" else tiers.sliced(HEAD_SWEEP[model_class])
     cases = [{"name": f"{model_class}/{t}", "path": head_checkpoint(workdir, model_class, t), "dtype": "float32",
               "model_class": model_class, "seed": 0, "out": os.path.join(workdir, f"heads_{model_class}_{t}.pt"),
               "kwargs": HEAD_KWARGS.get(t, {}),
               "save": {"dir": os.path.join(workdir, "heads_saved", model_class, t), "kwargs": {}, "reference": True}}
-             for t in HEAD_SWEEP[model_class]]
+             for t in types]
     dumps = run_torchrun(HEAD_SWEEP_WORLD_SIZE, cases, workdir, timeout=1500)
-    failures = [f for t, case, dump in zip(HEAD_SWEEP[model_class], cases, dumps)
+    failures = [f for t, case, dump in zip(types, cases, dumps)
                 if (f := load_failure(case, dump, seed=0)
                     or save_failure(case, dump, loads_back_whole=t not in PLAIN_LOAD_MISSES_KEYS
                                     and t not in EXTRA_FILES_FOR))]
@@ -244,7 +274,9 @@ def _without_layer_1_and_head(tensors: dict) -> dict:
             if not re.search(r"(layers|h|blocks|layer)\.1\.", k) and k != "lm_head.weight"}
 
 
-def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_load(checkpoints, workdir):
+@pytest.mark.parametrize("tier", TIERS)
+def test_every_family_in_the_sweep_initialises_missing_layers_like_the_plain_load(workdir, tier):
+    checkpoints = sweep_checkpoints(workdir, families(tier))
     paths = {t: rewrite_checkpoint(path, os.path.join(workdir, "sweep_missing", t), _without_layer_1_and_head)
              for t, path in checkpoints.items()}
     cases = [{"name": t, "path": path, "dtype": "float32", "seed": 11,
@@ -298,19 +330,27 @@ NEW_HEADS = (
 )
 
 
-def test_a_pretrained_body_loads_into_a_new_head_like_the_plain_load(workdir):
+# the default tier's: a reward model from a fused-MoE causal LM
+REPRESENTATIVE_NEW_HEADS = (("AutoModelForSequenceClassification", "AutoModelForCausalLM", ("qwen3_moe",)),)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_pretrained_body_loads_into_a_new_head_like_the_plain_load(workdir, tier):
     import transformers
 
     from tests.checkpoints import make_checkpoint
     from tests.families import small_head_config
 
+    pairs = [(target, source, t) for target, source, types in
+             (REPRESENTATIVE_NEW_HEADS if tier == "default" else NEW_HEADS) for t in types]
+    if tier == "sweep":
+        pairs = tiers.sliced(pairs, key=lambda pair: "/".join(pair))
     cases = []
-    for target, source, types in NEW_HEADS:
-        for t in types:
-            path = make_checkpoint(os.path.join(workdir, "new_heads", source, target, t), t,
-                                   config=small_head_config(t, target), model_class=getattr(transformers, source))
-            cases.append({"name": f"{source} -> {target}/{t}", "path": path, "dtype": "float32", "model_class": target,
-                          "seed": 5, "kwargs": {"missing_init_budget_bytes": MISSING_BUDGET},
-                          "out": os.path.join(workdir, f"new_head_{source}_{target}_{t}.pt")})
+    for target, source, t in pairs:
+        path = make_checkpoint(os.path.join(workdir, "new_heads", source, target, t), t,
+                               config=small_head_config(t, target), model_class=getattr(transformers, source))
+        cases.append({"name": f"{source} -> {target}/{t}", "path": path, "dtype": "float32", "model_class": target,
+                      "seed": 5, "kwargs": {"missing_init_budget_bytes": MISSING_BUDGET},
+                      "out": os.path.join(workdir, f"new_head_{source}_{target}_{t}.pt")})
     failures = compare_with_plain_loads(cases, HEAD_SWEEP_WORLD_SIZE, workdir, seed=5)
     assert not failures, "\n".join(failures)
