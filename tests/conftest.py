@@ -126,7 +126,8 @@ class TorchrunPool:
         self.log_path = os.path.join(self.folder, "log")
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(torchrun_command(world_size, free_port(), "--serve", self.folder),
-                                         stdout=log, stderr=subprocess.STDOUT, env=rank_env(env), cwd=ROOT)
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=rank_env({**(env or {}), "HF_ZERO3_TEST_POOL_OWNER": str(os.getpid())}))
         self.requests = 0
 
     @property
@@ -201,9 +202,13 @@ def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: floa
 @pytest.fixture(scope="session", autouse=True)
 def _close_pools():
     yield
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
+    # the pools live in the `tests.conftest` the tests import, which may be another module object than this one
+    from tests import conftest
+
+    for pools in {id(p): p for p in (_pools, conftest._pools)}.values():
+        for pool in pools.values():
+            pool.close()
+        pools.clear()
 
 
 def run_nodes(nodes: int, nproc_per_node: int, cases: list[dict], workdir: str, timeout: float = 300,

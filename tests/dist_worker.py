@@ -623,16 +623,25 @@ def leaves_state(cases: list[dict]) -> bool:
             or "hf_zero3_loader.auto" in sys.modules or torch.nn.functional.linear is not FRESH_LINEAR)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def serve(folder: str) -> None:
     """A pool's ranks (tests/conftest.py `TorchrunPool`): run the requests `folder/request_N.json` in order, each as
     a fresh launch would (the RNG where a new process has it), writing `folder/done_N` when every rank is through.
     The launch's imports and process group are paid once for all of them. After a request whose cases leave state
     behind, the ranks exit instead of taking the next one."""
+    owner = int(os.environ.get("HF_ZERO3_TEST_POOL_OWNER", "0"))
     n = 0
     while True:
         request = os.path.join(folder, f"request_{n}.json")
         while not os.path.exists(request):
-            if os.path.exists(os.path.join(folder, "stop")):
+            if os.path.exists(os.path.join(folder, "stop")) or owner and not _alive(owner):  # closed, or pytest gone
                 return
             time.sleep(0.05)
         with open(request) as f:
