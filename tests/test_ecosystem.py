@@ -401,6 +401,7 @@ def test_per_expert_moe_blocks_are_leaf_modules_and_train_as_deepspeeds_own_fix_
         assert ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
 
 
+@pytest.mark.sweep
 def test_every_moe_family_fuses_its_experts_into_one_module():
     import torch
     from transformers import AutoModelForCausalLM
@@ -415,6 +416,7 @@ def test_every_moe_family_fuses_its_experts_into_one_module():
                 assert not isinstance(module, torch.nn.ModuleList), f"{family}: {name} is a per-expert ModuleList"
 
 
+@pytest.mark.sweep
 def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     """Over the family sweep (built on the meta device): every experts module the parent's forward runs and whose
     forward calls a submodule is marked (fused experts and their `act_fn`, DBRX's per-expert `mlp`); shared experts
@@ -455,6 +457,7 @@ def test_leaf_modules_are_the_experts_modules_whose_forward_runs_them():
     assert experts_to_mark(model) == ["model.language_model.layers.1.mlp"]
 
 
+@pytest.mark.sweep
 def test_outside_the_leaf_modules_every_moe_type_runs_the_same_modules_whatever_the_tokens():
     """What the marks are for, checked on the forward itself: every MoE type of the family sweep, built small with
     eager experts and run on 8 short inputs (2 tokens route to between k and 2k experts), runs the same modules in the

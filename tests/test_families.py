@@ -11,6 +11,7 @@ REPRESENTATIVE_HEADS) and in the sweep over every family of the slice."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -52,32 +53,45 @@ def compare_with_plain_loads(cases: list[dict], world_size: int, workdir: str, s
     return [f for case, dump in zip(cases, dumps) if (f := load_failure(case, dump, seed, as_expected))]
 
 
-def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | None:
-    """Why rank 0's gathered state differs from a plain load of the case's folder through the case's `model_class`
-    (default AutoModelForCausalLM) in the case's `plain_dtype` (default float32); None when it does not."""
+def folder_signature(path: str) -> tuple:
+    """What a folder holds, as far as a cached plain load of it goes: each file's name, size and modification time."""
+    return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+
+
+@functools.lru_cache(maxsize=256)  # a checkpoint is compared at several world sizes and paths: loaded plain once
+def plain_load(path: str, model_class: str, dtype: str, seed, signature: tuple) -> tuple[dict, list]:
+    """Plain single-process `from_pretrained` of the folder (after `torch.manual_seed(seed)` when given): every
+    parameter and buffer, and which names share one tensor. `signature` (`folder_signature`) keys the cache."""
     import transformers
 
-    got = dump["rank0"]
-    if "error" in got:
-        return f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}"
+    from tests.dist_worker import sharing
+
     if seed is not None:
         torch.manual_seed(seed)
-    model_class = getattr(transformers, case.get("model_class", "AutoModelForCausalLM"))
     # one thread, as the ranks run (OMP_NUM_THREADS=1): LAPACK-based inits (`orthogonal_`'s QR) round by thread count
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        plain = model_class.from_pretrained(case["path"], dtype=getattr(torch, case.get("plain_dtype", "float32")))
+        plain = getattr(transformers, model_class).from_pretrained(path, dtype=getattr(torch, dtype))
     finally:
         torch.set_num_threads(threads)
     reference = {n: t.detach() for n, t in [*plain.named_parameters(remove_duplicate=False),
                                              *plain.named_buffers(remove_duplicate=False)]}
+    return reference, sharing(plain)
+
+
+def load_failure(case: dict, dump: dict, seed=None, as_expected=None) -> str | None:
+    """Why rank 0's gathered state differs from a plain load of the case's folder through the case's `model_class`
+    (default AutoModelForCausalLM) in the case's `plain_dtype` (default float32); None when it does not."""
+    got = dump["rank0"]
+    if "error" in got:
+        return f"{case['name']}: {got['error']['type']}: {got['error']['message'][:200]}"
+    reference, plain_sharing = plain_load(case["path"], case.get("model_class", "AutoModelForCausalLM"),
+                                          case.get("plain_dtype", "float32"), seed, folder_signature(case["path"]))
     if set(got["state"]) != set(reference):
         return f"{case['name']}: names differ: {sorted(set(got['state']) ^ set(reference))[:4]}"
-    from tests.dist_worker import sharing
-
-    if "sharing" in got and got["sharing"] != sharing(plain):
-        return f"{case['name']}: tied tensors differ: {got['sharing']} vs the plain load's {sharing(plain)}"
+    if "sharing" in got and got["sharing"] != plain_sharing:
+        return f"{case['name']}: tied tensors differ: {got['sharing']} vs the plain load's {plain_sharing}"
     differ = [n for n, want in reference.items()
               if not (as_expected(case, n, got["state"][n], want) if as_expected else
                       got["state"][n].dtype == want.dtype and torch.equal(got["state"][n], want))]
