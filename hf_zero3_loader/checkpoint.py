@@ -71,16 +71,19 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """Which file a path named when its header was read: a file replaced or rewritten since then differs."""
+    """Which file a path named when its header was read: a file replaced or rewritten since then differs. The change
+    time is in it because a writer cannot set it back (`rsync --inplace --times` puts the modification time back;
+    any write, and that `utime` itself, moves the change time on)."""
 
     size: int
     device: int
     inode: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> "FileIdentity":
-        return cls(st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns)
+        return cls(st.st_size, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass

@@ -127,8 +127,9 @@ class OpenFiles:
     """Descriptors shared by the threads of a reader or a writer: at most `max_open` stay open (an 800-shard
     checkpoint under `ulimit -n 256` loads and saves), the least recently used closed first, never one in use."""
 
-    def __init__(self, open_file: Callable[[str], int], max_open: int = 32):
-        self.open_file, self.max_open = open_file, max_open
+    def __init__(self, open_file: Callable[[str], int], max_open: int = 32,
+                 before_close: Callable[[str, int], None] | None = None):
+        self.open_file, self.max_open, self.before_close = open_file, max_open, before_close
         self._fds: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self._users: dict[str, int] = {}  # path -> threads using its descriptor now
         self._lock = threading.Lock()
@@ -142,7 +143,10 @@ class OpenFiles:
                 for old in [p for p in self._fds if self._users.get(p, 0) == 0 and p != path]:
                     if len(self._fds) <= self.max_open:
                         break
-                    os.close(self._fds.pop(old))
+                    old_fd = self._fds.pop(old)
+                    if self.before_close is not None:
+                        self.before_close(old, old_fd)
+                    os.close(old_fd)
             self._fds.move_to_end(path)
             self._users[path] = self._users.get(path, 0) + 1
         try:
@@ -162,15 +166,22 @@ class FileReader:
     """Positional reads from checkpoint files, safe to share between threads.
 
     At most `max_open` descriptors stay open (an 800-shard checkpoint under `ulimit -n 256` loads); a file is
-    (re)opened as needed, and each open checks the file is still the one whose header was read (same inode, size
-    and modification time): a shard replaced or rewritten during the load is refused, never read at old offsets.
+    (re)opened as needed. Each file is pinned to the identity its header was read with (`FileIdentity`: inode, size,
+    modification and change time): each open checks it, so a shard replaced or rewritten before it is opened is
+    never read at old offsets; and each descriptor is checked again (`fstat`) before it closes, so a shard written in
+    place while it was read (`dd conv=notrunc`, `rsync --inplace`, even with its modification time put back) is
+    found (`changed_error`, `checked_reads`) rather than loaded half old, half new. Files read through a memory map
+    (pickled checkpoints) are checked by path.
     """
 
     def __init__(self, stats: ReadStats | None = None, identities: dict | None = None, max_open: int = 32,
                  prefault: bool = True, readahead: bool = True):
         self.stats = stats or ReadStats()
         self.identities = identities or {}
-        self._files = OpenFiles(self._open, max_open)
+        self.changed: dict[str, str] = {}  # path -> how it changed while read (the first change of each file)
+        self.mapped: set[str] = set()  # files read through a memory map (pickled checkpoints): checked by path
+        self._changed_lock = threading.Lock()
+        self._files = OpenFiles(self._open, max_open, before_close=self._note_if_changed)
         # populate fresh destinations (partitions); a reader filling reused buffers (staging slots, stream chunks) is
         # made with prefault=False: populating resident pages again is a page-table walk per refill, for nothing
         self.prefault = prefault and os.environ.get(PREFAULT_ENV, "1") != "0"
@@ -225,9 +236,62 @@ class FileReader:
                     bufs[first] = bufs[first][n:]
         self.stats.add(total)
 
+    def _note_if_changed(self, path: str, fd: int | None) -> None:
+        """Record whether `path` (through its descriptor `fd`, else by path) is still the file its header was read
+        from. Never raises: it runs while descriptors close."""
+        expected = self.identities.get(path)
+        if expected is None:
+            return
+        try:
+            now = FileIdentity.of(os.fstat(fd) if fd is not None else os.stat(path))
+        except OSError as e:
+            now = e.strerror
+        if now != expected:
+            what = ("replaced" if not isinstance(now, FileIdentity) or (now.device, now.inode) != (expected.device,
+                                                                                                  expected.inode)
+                    else "written in place")
+            with self._changed_lock:
+                self.changed.setdefault(path, what)
+
     def close(self) -> None:
-        for _, fd in self._files.take_all():
+        """Close every descriptor, checking each file first (`changed_error` tells what changed)."""
+        for path, fd in self._files.take_all():
+            self._note_if_changed(path, fd)
             os.close(fd)
+        for path in sorted(self.mapped):
+            self._note_if_changed(path, None)
+
+    def changed_error(self) -> CheckpointError | None:
+        """After `close`: the error for the first file (in path order) that changed on disk while this reader read
+        it, or None."""
+        if not self.changed:
+            return None
+        path = sorted(self.changed)[0]
+        others = len(self.changed) - 1
+        return CheckpointError(f"{path} changed on disk while it was read ({self.changed[path]} during the load"
+                               f"{f'; {others} more files too' if others else ''}): the bytes read from it may mix "
+                               "old and new, so refusing to load them; do not write into a checkpoint while it loads")
+
+
+@contextmanager
+def checked_reads(reader: FileReader) -> Iterator[FileReader]:
+    """Run reads, then close `reader` and refuse the bytes of any file that changed on disk while it was read. When
+    the reads failed and a file changed, the change is raised: it is the likelier cause (a read past a shrunk end)."""
+    try:
+        yield reader
+    except Exception as e:
+        reader.close()
+        changed = reader.changed_error()
+        if changed is not None:
+            raise changed from e
+        raise
+    except BaseException:  # an interrupt: just close
+        reader.close()
+        raise
+    reader.close()
+    changed = reader.changed_error()
+    if changed is not None:
+        raise changed
 
 
 def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: torch.Tensor,
@@ -243,6 +307,7 @@ def execute_read(reader: FileReader, item: ReadItem, entry: TensorEntry, dst: to
         return
     entry_start = entry.data_start
     if entry.tensor is not None:  # a pickled checkpoint, memory-mapped (or loaded whole, legacy format)
+        reader.mapped.add(item.file)
         _copy_from_tensor(entry.tensor, item, out)
         reader.stats.add(item.numel * itemsize)
         return
@@ -325,6 +390,7 @@ def read_stored(reader: FileReader, entry: TensorEntry, start: int, out: torch.T
         reader.read_into(entry.file, entry.data_start + start * entry.itemsize,
                          out.view(torch.uint8) if out.numel() else out)
         return
+    reader.mapped.add(entry.file)
     src = entry.tensor if entry.tensor.dtype == out.dtype else entry.tensor.view(out.dtype)
     _copy_flat_range(src, start, out)
     reader.stats.add(out.numel() * out.element_size())

@@ -33,7 +33,7 @@ from .missing_init import initialize_missing, materialize_meta_buffers
 from .nvme_offload import SwapOutAsCompleted, read_in_waves
 from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact, checkpoint_bodies, missing_inputs,
                            plan_tensors, resolve_checkpoint, suspicious_missing_keys)
-from .reader import FileReader, node_reads_whole_files, run_reads
+from .reader import FileReader, checked_reads, node_reads_whole_files, run_reads
 from .report import LoadReport
 from .staging import DEFAULT_STAGING_BYTES, run_staged_reads
 from .streaming import Streamer, checkpoint_from_bundle, stream_bytes
@@ -222,7 +222,8 @@ class Zero3Load:
                     error = e
                     cancel.set()
                 finally:
-                    reader.close()
+                    reader.close()  # checks every file it read against its pin: a shard written meanwhile fails
+                    error = reader.changed_error() or error
                 if joined_read is not None:  # the partitions are written by then, whatever failed
                     read_error = joined_read()
                     error = error or read_error
@@ -347,7 +348,7 @@ class Zero3Load:
             jobs.extend((item, checkpoint.entry(item.key), dst) for item in tensor_plan.reads)
         reader = FileReader(self.report.read, checkpoint.identities,
                             readahead=node_reads_whole_files(self.report.world_size))
-        try:
+        with checked_reads(reader):  # a file written while it was read fails the load, naming it
             with tqdm(total=plan.bytes_to_read, unit="B", unit_scale=True, desc="Loading ZeRO-3 partitions",
                       disable=self.report.rank != 0) as bar:
 
@@ -365,8 +366,6 @@ class Zero3Load:
                 if staged:
                     self.report.staging = run_staged_reads(staged, reader, self.staging_bytes, self.read_threads,
                                                            progress=progress).summary()
-        finally:
-            reader.close()
 
     def _params_in_engine_dtype(self, plan: LoadPlan, engine_dtype: torch.dtype, warn: bool = True) -> None:
         """DeepSpeed ZeRO-3 (0.19.8) flattens all trainable params into one buffer of one dtype (stage3

@@ -229,6 +229,30 @@ def inject_fault(case: dict):
                 f.write(data)
             os.replace(target + ".new", target)
         reader.FileReader.__init__ = init
+    elif kind == "rewrite_shard_in_place":  # new bytes at the same offsets while its descriptor is held, as `dd
+        # conv=notrunc` writes them (same inode, size, header); "keep_mtime": the old modification time put back, as
+        # `rsync --inplace --times` does
+        real_read_buffers = reader.FileReader.read_buffers
+        written = [False]
+
+        def read_buffers(self, path, offset, buffers):
+            real_read_buffers(self, path, offset, buffers)
+            if written[0] or os.path.basename(path) != fault["file"]:
+                return
+            written[0] = True
+            target = os.path.join(case["path"], fault["file"])
+            before = os.stat(target)
+            with open(target, "rb") as f:
+                f.seek(before.st_size - 8)
+                old = f.read(8)
+            fd = real_open(target, os.O_WRONLY)
+            try:
+                os.pwrite(fd, bytes(b ^ 0xFF for b in old), before.st_size - 8)
+            finally:
+                os.close(fd)
+            if fault.get("keep_mtime"):
+                os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+        reader.FileReader.read_buffers = read_buffers
     return undo
 
 

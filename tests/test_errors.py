@@ -182,6 +182,8 @@ def bad(workdir):
         # one shard also holding a tensor another shard holds (a mixed copy): the plain load takes the last file's
         "tensor_in_two_shards": _copy(sharded, d("tensor_in_two_shards"), tensor_in_two_shards),
         "replaced": _copy(single, d("replaced")),
+        "rewritten": _copy(single, d("rewritten")),
+        "rewritten_keep_mtime": _copy(single, d("rewritten_keep_mtime")),
         "good": single,
         "llama": make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied"),
         "qwen3_5_moe_vl": head_checkpoint(workdir, "AutoModelForImageTextToText", "qwen3_5_moe"),
@@ -329,6 +331,16 @@ CASES = {
     # a shard atomically replaced after the headers were read: detected, never read at the old offsets
     "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
                                 "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
+    # a shard written in place while a rank reads it (same inode, size and header; new bytes at the same offsets),
+    # with its modification time put back too: found through the descriptor read from, refused on every rank
+    "shard_rewritten_in_place_mid_load": ("rewritten", None, {}, {"rank": 1, "kind": "rewrite_shard_in_place",
+                                                                  "file": "model.safetensors"}, "CheckpointError",
+                                          ["model.safetensors changed on disk while it was read",
+                                           "written in place during the load", "refusing to load them"]),
+    "shard_rewritten_in_place_mtime_put_back": (
+        "rewritten_keep_mtime", None, {}, {"rank": 1, "kind": "rewrite_shard_in_place", "file": "model.safetensors",
+                                           "keep_mtime": True}, "CheckpointError",
+        ["model.safetensors changed on disk while it was read", "written in place during the load"]),
     # an error on one rank before the first agreement point; the next case in the same processes still pairs
     "ds_config_unreadable_on_rank_1": ("good", {"by_rank": {"1": "/nonexistent/ds.json"}}, {}, None, "ConfigError",
                                        ["[rank 1]", "cannot read DeepSpeed config", "/nonexistent/ds.json"]),
