@@ -171,6 +171,29 @@ def _gib(nbytes: int) -> str:
     return size(nbytes)
 
 
+def default_device() -> str:
+    """Where partitions live by default: the GPU where torch sees one, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _checkpoint_problem(args) -> str | None:
+    """What is wrong with CHECKPOINT before anything is launched: a path that is not there, or a file. A name that
+    could be a hub repo id (`org/name`) is left to the load (it may be in the hub cache)."""
+    import re
+
+    path = args.checkpoint
+    if os.path.isdir(path):
+        inner = os.path.join(path, args.subfolder) if args.subfolder else path
+        return None if os.path.isdir(inner) else f"no such folder: {inner} (--subfolder {args.subfolder})"
+    if os.path.exists(path):
+        return f"not a folder: {path} (give the folder that holds config.json and the weights)"
+    if re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", path) is None:  # not a repo id: a path that is not there
+        return f"no such folder: {path}"
+    return None
+
+
 def _plan(args) -> int:
     import transformers
 
@@ -178,33 +201,50 @@ def _plan(args) -> int:
     if args.ds_config:
         with open(args.ds_config) as f:
             ds_config = json.load(f)
+    device = args.device or default_device()
     with contextlib.redirect_stdout(sys.stderr):  # libraries' import-time notices must not mix into --json output
         model_class = _model_class_name(args)
         report = plan_report(args.checkpoint, args.world_size, args.ep_size, ds_config, args.device_memory,
-                             args.device, getattr(transformers, model_class), load_kwargs=_load_kwargs(args))
+                             device, getattr(transformers, model_class), load_kwargs=_load_kwargs(args))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{report['checkpoint']}: {report['model_type']}, {report['parameters'] / 1e9:,.2f}B parameters, "
+    from .log import count
+
+    on_cpu = report["device"] == "cpu"
+    print(f"{report['checkpoint']}: {report['model_type']}, {count(report['parameters'])} parameters, "
           f"{_gib(report['checkpoint_bytes'])} on disk; world size {report['world_size']}, ep_size "
-          f"{report['ep_size']}, device {report['device']}")
+          f"{report['ep_size']}, partitions on the {'CPU (host memory)' if on_cpu else 'GPU'}")
     print(f"conversions: {', '.join(report['conversions']) or 'renames only'}")
     print()
-    print(f"{'rank':>5} {'read GiB':>9} {'reads':>7} | {'ours host':>9} {'ours dev':>9} | {'upstr host':>10} "
-          f"{'upstr dev':>9}   (peak during the load)")
-    for r in report["ranks"]:
-        print(f"{r['rank']:>5} {_gib(r['bytes_to_read']):>9} {r['read_items']:>7} | {_gib(r['load_ours_host_bytes']):>9} "
-              f"{_gib(r['load_ours_device_bytes']):>9} | {_gib(r['load_upstream_host_bytes']):>10} "
-              f"{_gib(r['load_upstream_device_bytes']):>9}")
+    if on_cpu:  # the partitions are in host memory: no device columns
+        print(f"{'rank':>5} {'read':>10} {'reads':>7} | {'ours host':>10} | {'upstr host':>10}   "
+              "(peak during the load)")
+        for r in report["ranks"]:
+            print(f"{r['rank']:>5} {_gib(r['bytes_to_read']):>10} {r['read_items']:>7} | "
+                  f"{_gib(r['load_ours_host_bytes']):>10} | {_gib(r['load_upstream_host_bytes']):>10}")
+    else:
+        print(f"{'rank':>5} {'read':>10} {'reads':>7} | {'ours host':>10} {'ours dev':>10} | {'upstr host':>10} "
+              f"{'upstr dev':>10}   (peak during the load)")
+        for r in report["ranks"]:
+            print(f"{r['rank']:>5} {_gib(r['bytes_to_read']):>10} {r['read_items']:>7} | "
+                  f"{_gib(r['load_ours_host_bytes']):>10} {_gib(r['load_ours_device_bytes']):>10} | "
+                  f"{_gib(r['load_upstream_host_bytes']):>10} {_gib(r['load_upstream_device_bytes']):>10}")
     t = report["train"]
     print()
-    print(f"after deepspeed.initialize, per rank: {_gib(t['device_bytes'])} on the device (ZeRO-3 model states and "
-          f"the largest gather; activations not included), {_gib(t['host_bytes_per_node'])} of host memory per node")
-    print(f"largest all-gather in a forward pass: {t['largest_layer'] or '-'} ({t['largest_layer_params'] / 1e6:,.1f}M "
+    if on_cpu:
+        print(f"after deepspeed.initialize, per rank: {_gib(t['device_bytes'])} of host memory for the ZeRO-3 model "
+              f"states and the largest gather (activations not included); {_gib(t['host_bytes_per_node'])} of "
+              "other host memory per node")
+    else:
+        print(f"after deepspeed.initialize, per rank: {_gib(t['device_bytes'])} on the GPU (ZeRO-3 model states and "
+              f"the largest gather; activations not included), {_gib(t['host_bytes_per_node'])} of host memory "
+              "per node")
+    print(f"largest all-gather in a forward pass: {t['largest_layer'] or '-'} ({count(t['largest_layer_params'])} "
           f"parameters, {_gib(t['largest_gather_bytes'])})")
     if report["fits"] is not None:
         verdict = "fits" if report["fits"] else "does NOT fit"
-        print(f"device memory {_gib(report['device_memory_bytes'])}: {verdict}")
+        print(f"{'memory per rank' if on_cpu else 'GPU memory'} {_gib(report['device_memory_bytes'])}: {verdict}")
         if not report["fits"] and report["smallest_ep_size_that_fits"]:
             print(f"smallest ep_size that fits: {report['smallest_ep_size_that_fits']}")
     for w in report["warnings"]:
@@ -219,22 +259,90 @@ def _plan(args) -> int:
     return 0
 
 
+class _Refused(Exception):
+    """A reason `verify` does not launch, said in one line."""
+
+
+def _verify_config(args) -> tuple[dict | None, str]:
+    """--ds-config read and checked, and the dtype both loads use: --dtype, else the config's, else bfloat16."""
+    from .deepspeed_setup import DeepSpeedSetup
+
+    ds_config = None
+    if args.ds_config:
+        try:
+            with open(args.ds_config) as f:
+                ds_config = json.load(f)
+        except OSError as e:
+            raise _Refused(f"cannot read --ds-config {args.ds_config}: {e.strerror}") from e
+        except ValueError as e:
+            raise _Refused(f"--ds-config {args.ds_config} is not JSON: {e}") from e
+        if not isinstance(ds_config, dict):
+            raise _Refused(f"--ds-config {args.ds_config} is not a JSON object")
+        setup = DeepSpeedSetup(ds_config, f"--ds-config {args.ds_config}")
+        try:
+            stage = setup.stage
+        except LoaderError as e:
+            raise _Refused(str(e)) from e
+        if stage != 3:
+            raise _Refused(f"--ds-config {args.ds_config} is ZeRO stage {stage}: verify checks ZeRO-3 loads (under "
+                           "ZeRO-0/1/2 every rank loads the whole model with transformers)")
+        engine = setup.dtype  # None: the config leaves it to "auto"
+        if engine is not None:
+            name = str(engine).removeprefix("torch.")
+            if args.dtype is not None and args.dtype != name:
+                raise _Refused(f"--dtype {args.dtype} conflicts with --ds-config {args.ds_config}, which trains in "
+                               f"{name}: drop --dtype, or change the config")
+            return ds_config, name
+    return ds_config, args.dtype or "bfloat16"
+
+
 def _verify(args) -> int:
     from .verify import launch
 
-    if args.expert_parallel and not args.ep_size:
-        print("verify: --expert-parallel adds to the section --ep-size enables; give --ep-size too", file=sys.stderr)
+    def refuse(message: str) -> int:
+        print(f"hf-zero3-loader verify: {message}", file=sys.stderr)
         return 2
 
+    if args.expert_parallel and not args.ep_size:
+        return refuse("--expert-parallel adds to the section --ep-size enables; give --ep-size too")
+    if args.world_size < 1:
+        return refuse(f"--world-size must be at least 1, got {args.world_size}")
+    if args.port is not None and not 0 < args.port < 65536:
+        return refuse(f"--port must be between 1 and 65535, got {args.port}")
+    if problem := _checkpoint_problem(args):
+        return refuse(problem)
+    try:
+        expert_parallel = json.loads(args.expert_parallel) if args.expert_parallel else None
+    except ValueError as e:
+        return refuse(f"--expert-parallel is not JSON: {e}")
+    try:
+        ds_config, dtype = _verify_config(args)
+    except _Refused as e:
+        return refuse(str(e))
     with contextlib.redirect_stdout(sys.stderr):
-        report = launch(args.checkpoint, args.world_size, args.dtype, _model_class_name(args), args.ep_size,
-                        load_kwargs=_load_kwargs(args),
-                        expert_parallel=json.loads(args.expert_parallel) if args.expert_parallel else None,
-                        keep_in_fp32=args.keep_in_fp32)
+        import transformers
+
+        if args.model_class and not hasattr(transformers, args.model_class):
+            return refuse(f"--model-class {args.model_class}: transformers has no class of that name")
+        if not os.path.isdir(args.checkpoint):  # a hub repo id: its config must load here, as in every rank
+            try:
+                transformers.AutoConfig.from_pretrained(args.checkpoint, **_load_kwargs(args))
+            except (OSError, ValueError) as e:
+                first = (str(e).strip().splitlines() or [""])[0]
+                return refuse(f"no such folder: {args.checkpoint}, nor a hub model whose config loads "
+                              f"({type(e).__name__}: {first})")
+        report = launch(args.checkpoint, args.world_size, dtype, _model_class_name(args), args.ep_size,
+                        load_kwargs=_load_kwargs(args), expert_parallel=expert_parallel,
+                        keep_in_fp32=args.keep_in_fp32, port=args.port, ds_config=ds_config, verbose=args.verbose,
+                        log_path=args.log)
     if args.json:
         print(json.dumps(report, indent=2))
     elif "error" in report:
-        print(report["error"])
+        for cause in report["causes"]:
+            print(f"hf-zero3-loader verify: {cause}", file=sys.stderr)
+        if report.get("log"):
+            print(f"hf-zero3-loader verify: the ranks' full output is in {report['log']} (--verbose shows it as it "
+                  "comes)", file=sys.stderr)
     else:
         verdict = "OK" if report["ok"] else "MISMATCH"
         print(f"{verdict}: {report['compared']} gathered tensors compared with the plain from_pretrained of "
@@ -263,24 +371,34 @@ def main(argv=None) -> int:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="show what each rank reads, without reading tensor data")
-    plan.add_argument("checkpoint")
-    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("checkpoint", help="a checkpoint folder, or a hub repo id in the local hub cache")
+    plan.add_argument("--world-size", type=int, required=True, help="the number of ranks (processes) of the load")
     plan.add_argument("--ep-size", type=int, default=None, help="expert parallelism (DeepSpeed AutoEP layout)")
     plan.add_argument("--ds-config", help="DeepSpeed config JSON (dtype, offload); default ZeRO-3 bf16")
-    plan.add_argument("--device-memory", type=float, default=None, help="GiB per device: does training fit?")
-    plan.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where partitions live")
+    plan.add_argument("--device-memory", type=float, default=None, help="GiB of memory per rank (a GPU's; with --device cpu, host memory): does training "
+                           "fit?")
+    plan.add_argument("--device", default=None, choices=("cuda", "cpu"),
+                      help="where partitions live (default: cuda where torch sees a GPU, else cpu)")
     plan.add_argument("--model-class", default=None,
                       help="transformers auto class (default: the one that builds the config's architecture, "
                            "else AutoModelForCausalLM)")
     plan.add_argument("--rank", type=int, default=0, help="rank whose tensors --verbose lists")
-    plan.add_argument("--verbose", action="store_true")
-    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--verbose", action="store_true", help="also list each tensor --rank reads")
+    plan.add_argument("--json", action="store_true", help="print the whole report as JSON")
     add_location_arguments(plan)
     verify = sub.add_parser("verify", help="a real multi-rank load compared, tensor by tensor, with the plain load")
-    verify.add_argument("checkpoint")
-    verify.add_argument("--world-size", type=int, required=True)
-    verify.add_argument("--dtype", default="bfloat16")
-    verify.add_argument("--ep-size", type=int, default=None)
+    verify.add_argument("checkpoint", help="a checkpoint folder, or a hub repo id in the local hub cache")
+    verify.add_argument("--world-size", type=int, required=True,
+                        help="the number of ranks torchrun starts on this machine (CPU ranks where there is no GPU)")
+    verify.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                        help="the dtype of both loads: the DeepSpeed engine's (the default config enables bf16 or "
+                             "fp16 for it; float32: neither) and the plain from_pretrained's dtype (default: the "
+                             "--ds-config's dtype, else bfloat16)")
+    verify.add_argument("--ds-config", default=None, metavar="FILE",
+                        help="a DeepSpeed config JSON file (ZeRO-3) for the ranks' loads, instead of the default "
+                             "ZeRO-3 in --dtype; its dtype, offload and expert_parallel sections are used")
+    verify.add_argument("--ep-size", type=int, default=None,
+                        help="expert parallelism: each rank loads num_experts / ep-size experts (DeepSpeed AutoEP)")
     verify.add_argument("--expert-parallel", default=None,
                         help='JSON: more of DeepSpeed\'s expert_parallel section, e.g. \'{"preset_model": "qwen3_moe"}\' '
                              "for a model type without an AutoEP preset")
@@ -289,11 +407,22 @@ def main(argv=None) -> int:
                              "else AutoModelForCausalLM)")
     verify.add_argument("--keep-in-fp32", action="store_true",
                         help="load with keep_in_fp32=True: parameters the plain load keeps in fp32 stay in fp32")
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--port", type=int, default=None,
+                        help="torchrun's master port on 127.0.0.1 (default: a free port)")
+    verify.add_argument("--verbose", action="store_true",
+                        help="show the ranks' own output (logs, tracebacks) as it comes, instead of keeping it in a "
+                             "log file named on failure")
+    verify.add_argument("--log", default=None, metavar="FILE",
+                        help="keep the ranks' output in FILE (default: a new file in the temp folder, removed when "
+                             "the check passes)")
+    verify.add_argument("--json", action="store_true", help="print the report (or the error) as JSON")
     add_location_arguments(verify)
     sub.add_parser("bench", help="run scripts/bench_load.py (arguments are passed through)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "plan":
+        if problem := _checkpoint_problem(args):
+            print(f"hf-zero3-loader plan: error: {problem}", file=sys.stderr)
+            return 2
         try:
             return _plan(args)
         except (OSError, ValueError, LoaderError) as e:  # a checkpoint or an argument we cannot plan: say which

@@ -6,6 +6,8 @@ accelerate's `AcceleratorState` -> the environment `accelerate launch` sets.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
 import functools
 import json
@@ -69,6 +71,42 @@ def _load_json(path: str) -> dict:
         raise ConfigError(f"cannot read DeepSpeed config {path}: {e}") from e
 
 
+def accelerate_config_file(value: str) -> dict:
+    """The DeepSpeed config an `accelerate launch` names (`deepspeed_config_file`, ACCELERATE_DEEPSPEED_CONFIG_FILE),
+    read as accelerate's `HfDeepSpeedConfig` reads it: a file, else the config itself as JSON text (what the
+    shipped scripts/accelerate/*.yaml hold, so that they work from any folder), else as base64-encoded JSON. A
+    relative file path is opened from the working directory, as accelerate does: one not found there is named with
+    that folder (accelerate says only "Expected a string path to an existing deepspeed config")."""
+    if os.path.exists(value):
+        return _load_json(value)
+    for decode in (lambda v: v, lambda v: base64.urlsafe_b64decode(v).decode("utf-8")):
+        try:
+            config = json.loads(decode(value))
+        except (ValueError, UnicodeDecodeError, binascii.Error):
+            continue
+        if isinstance(config, dict):
+            return config
+    where = "" if os.path.isabs(value) else f" (a relative path, opened from the working directory {os.getcwd()})"
+    raise ConfigError(f"the DeepSpeed config file of this accelerate launch, {value!r}, does not exist{where}. "
+                      "accelerate opens `deepspeed_config_file` from the folder you launch in: give its absolute path, "
+                      "or launch from the folder it is relative to")
+
+
+def warn_of_unreadable_accelerate_config() -> None:
+    """At `import hf_zero3_loader.auto`: an `accelerate launch` whose DeepSpeed config file is not found from here
+    fails at the script's first `TrainingArguments` or `Accelerator`, in accelerate, with a JSONDecodeError and
+    "Expected a string path to an existing deepspeed config": say first which file, and why."""
+    from . import log
+
+    value = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not value or value.lower() == "none":
+        return
+    try:
+        accelerate_config_file(value)
+    except ConfigError as e:
+        log.warning_once("accelerate config file", "%s", e)
+
+
 def _from_accelerate_env() -> tuple[dict, bool] | None:
     """The config an `accelerate launch --use_deepspeed` process will train with, before its `Accelerator` exists:
     built by accelerate's own `DeepSpeedPlugin` from the environment the launcher set (the config file, or the
@@ -78,7 +116,7 @@ def _from_accelerate_env() -> tuple[dict, bool] | None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return None
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    from_file = _load_json(path) if path and path.lower() != "none" else None  # unreadable: our error, naming it
+    from_file = accelerate_config_file(path) if path and path.lower() != "none" else None  # unreadable: named
     if from_file is None and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") is None:
         return None
     from accelerate.utils import DeepSpeedPlugin
@@ -151,6 +189,16 @@ def find_deepspeed_setup(ds_config: dict | str | None = None) -> DeepSpeedSetup 
                               zero_init=bool(getattr(plugin, "zero3_init_flag", True)))
     found = _from_accelerate_env()
     return DeepSpeedSetup(found[0], "accelerate launch environment", zero_init=found[1]) if found else None
+
+
+def unpartitioned_reason(setup: DeepSpeedSetup | None) -> str:
+    """Why a load is not one into ZeRO-3 partitions (`setup` does not partition at load), in words."""
+    if setup is None:
+        return "no DeepSpeed config found (none given, and none from the Trainer, accelerate or `accelerate launch`)"
+    if setup.stage == 3:
+        return (f"ZeRO-3 with zero3_init_flag false ({setup.found_via}): deepspeed.initialize partitions the model "
+                "after the load")
+    return f"ZeRO stage {setup.stage} ({setup.found_via})"
 
 
 def nvme_param_offload(config: dict | None) -> dict | None:

@@ -24,7 +24,7 @@ from . import log
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, find_index
 from .deepspeed_setup import (check_supported, find_deepspeed_setup, local_device, nvme_param_offload,
-                              resolve_dtype)
+                              resolve_dtype, unpartitioned_reason)
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, refuse_other_parallelism, request_from
 from .gc_pause import paused_gc
@@ -72,6 +72,7 @@ def _ensure_distributed() -> None:
     deepspeed.init_distributed()
 
 
+@log.quiet_dependency_deprecations()  # DeepSpeed's calls of deprecated torch.distributed names, during our load
 def from_pretrained(
     model_class,
     pretrained_model_name_or_path: str | os.PathLike,
@@ -158,10 +159,24 @@ def from_pretrained(
     report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
     report.seconds = time.perf_counter() - start - init_distributed_s
     source = "a state_dict" if pretrained_model_name_or_path is None else pretrained_model_name_or_path
-    log.info("loaded %s on %d ranks in %.2fs (%s, %s): this rank read %s%s", source,
-             report.world_size, report.seconds, report.init_context, report.reason, log.size(report.read.bytes_read),
-             f", received {log.size(report.stream['bytes_received'])}" if report.stream else "")
+    log.info("%s", load_line(source, report))
     return model
+
+
+def load_line(source, report: LoadReport) -> str:
+    """The line a load logs on rank 0, in plain words (the init context and the reason are in the report)."""
+    if report.init_context == "zero.Init":
+        how = "transformers' own ZeRO-3 path (deepspeed.zero.Init)"
+    else:
+        how = "ZeRO-3 partitions"
+        if report.expert_parallel:
+            how += f", experts split over {log.ranks(report.expert_parallel['ep_size'])} (expert parallelism)"
+    line = f"loaded {source} on {log.ranks(report.world_size)} in {report.seconds:.2f} s: {how}"
+    if report.init_context != "zero.Init":
+        line += f", this rank read {log.size(report.read.bytes_read)}"
+        if report.stream:
+            line += f" and received {log.size(report.stream['bytes_received'])} from another rank"
+    return line
 
 
 def keep_zero3_visible_to_transformers(model, setup) -> None:
@@ -210,13 +225,9 @@ def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, s
         raise ConfigError("ep_size= needs a DeepSpeed ZeRO-3 config that builds the model under zero.Init (in "
                           "accelerate: zero3_init_flag true); without DeepSpeed use transformers' "
                           "distributed_config=DistributedConfig(ep_size=...)")
-    if setup is None:
-        reason = "no DeepSpeed config found"
-    elif zero_init_off:
-        reason = f"ZeRO-3 with zero3_init_flag false ({setup.found_via}): deepspeed.initialize partitions the model"
-    else:
-        reason = f"ZeRO stage {setup.stage} ({setup.found_via})"
-    log.info("init context 'meta' (%s): loading onto the local device with transformers", reason)
+    reason = unpartitioned_reason(setup)
+    log.info("%s: transformers loads %s whole on each rank (hf_zero3_loader partitions only under ZeRO-3)", reason,
+             path if path is not None else "the model")
     if setup is not None:
         kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -368,7 +379,8 @@ def _note_callers_zero_init(outer, setup, dtype) -> None:
 
 def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason):
     """The fallback: transformers' own ZeRO-3 path (zero.Init, rank 0 reads, gathers and broadcasts)."""
-    log.warning("init context 'zero.Init' (%s): using transformers' ZeRO-3 path", reason)
+    log.warning("%s: loading through transformers' own ZeRO-3 path (deepspeed.zero.Init: rank 0 reads the whole "
+                "checkpoint and broadcasts it, instead of each rank reading its share)", reason)
     error, model = None, None
     try:
         with hf_private.hf_zero3_config(setup.config):  # this load's config, held for its whole duration

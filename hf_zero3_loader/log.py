@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
+from contextlib import contextmanager
 
 logger = logging.getLogger("hf_zero3_loader")
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
@@ -76,7 +78,36 @@ def info_once(key: str, message: str, *args) -> None:
 
 
 def size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    """Bytes in the unit that suits this value: "512 B", "57.3 KiB", "1.2 GiB", "3.0 TiB"."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
+
+
+def count(n: int) -> str:
+    """A number of parameters in the unit that suits it: "950", "12.3K", "1.50M", "30.53B"."""
+    for unit, scale, digits in (("T", 10**12, 2), ("B", 10**9, 2), ("M", 10**6, 2), ("K", 10**3, 1)):
+        if n >= scale:
+            return f"{n / scale:.{digits}f}{unit}"
+    return str(n)
+
+
+def ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+# The FutureWarnings that DeepSpeed 0.19.8's own calls make torch (and DeepSpeed itself) raise during a load, a save
+# or a gather that we start: `torch.distributed.all_gather_into_tensor` / `reduce_scatter_tensor` "is deprecated"
+# (DeepSpeed's comm layer calls them), DeepSpeed's deprecations of its own names. Nothing a user can act on.
+_DEPENDENCY_MODULES = (r"torch\.distributed(\.|$)", r"deepspeed(\.|$)")
+
+
+@contextmanager
+def quiet_dependency_deprecations():
+    """Hide the FutureWarnings of the modules above, for the duration of one of our calls only (the filters are
+    restored after it, so the same warnings from the user's own code are shown as before)."""
+    with warnings.catch_warnings():
+        for module in _DEPENDENCY_MODULES:
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        yield

@@ -101,6 +101,7 @@ def is_partitioned(model: torch.nn.Module) -> bool:
     return any(ds_private.is_zero3_param(p) for p in model.parameters())
 
 
+@log.quiet_dependency_deprecations()  # DeepSpeed's calls of deprecated torch.distributed names, during our save
 def save_pretrained(
     model: torch.nn.Module,
     save_directory: str | os.PathLike,
@@ -162,8 +163,8 @@ def save_pretrained(
     finally:
         agreement.close()
     report.seconds = time.perf_counter() - start
-    log.info("saved %s on %d ranks in %.2fs: this rank wrote %s%s", report.folder, report.world_size, report.seconds,
-             log.size(report.write.bytes_written),
+    log.info("saved %s on %s in %.2f s: this rank wrote %s%s", report.folder, log.ranks(report.world_size),
+             report.seconds, log.size(report.write.bytes_written),
              f", streamed {log.size(report.stream['bytes_sent'])}" if report.stream else "")
     return report
 

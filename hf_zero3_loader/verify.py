@@ -18,19 +18,26 @@ import socket
 import subprocess
 import sys
 
+from .log import quiet_dependency_deprecations
+
 
 def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_class: str = "AutoModelForCausalLM",
            ep_size: int | None = None, timeout: float = 3600, load_kwargs: dict | None = None,
-           expert_parallel: dict | None = None, keep_in_fp32: bool = False) -> dict:
+           expert_parallel: dict | None = None, keep_in_fp32: bool = False, port: int | None = None,
+           ds_config: dict | None = None, verbose: bool = False, log_path: str | None = None) -> dict:
     """Run the verification in `world_size` fresh processes; return rank 0's report. `load_kwargs` go to both
     loads (where the checkpoint is and which code builds it: subfolder, revision, variant, trust_remote_code...).
     `expert_parallel`: more of DeepSpeed's section of that name with `ep_size` (a `preset_model`, custom patterns).
-    `keep_in_fp32`: our load's keyword of that name."""
+    `keep_in_fp32`: our load's keyword of that name. `port`: torchrun's master port (default: a free one).
+    `ds_config`: the DeepSpeed config of the ranks' loads (default: ZeRO-3 in `dtype`). `verbose`: the ranks' output
+    goes to stderr as it comes; otherwise it is kept in a log file (`log_path`, default a new file in the temp folder),
+    named in the report, and a failure is reported as one line per cause: `{"ok": False, "error": ..., "log": ...}`."""
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size), "--master_addr",
@@ -39,13 +46,82 @@ def launch(checkpoint: str, world_size: int, dtype: str = "bfloat16", model_clas
         cmd += ["--ep-size", str(ep_size)] if ep_size else []
         cmd += ["--expert-parallel", json.dumps(expert_parallel)] if expert_parallel else []
         cmd += ["--keep-in-fp32"] if keep_in_fp32 else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-        if not os.path.exists(out):
-            return {"ok": False, "error": f"the verification job failed (exit {proc.returncode}):\n"
-                                          f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"}
-        with open(out) as f:
-            return json.load(f)
+        cmd += ["--ds-config", json.dumps(ds_config)] if ds_config is not None else []
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        own_log = False
+        if verbose:
+            log_path, log = None, None
+        else:
+            if log_path is None:
+                fd, log_path = tempfile.mkstemp(prefix="hf-zero3-loader-verify-", suffix=".log")
+                os.close(fd)
+                own_log = True
+            log = open(log_path, "w")
+        try:
+            returncode = subprocess.run(cmd, stdout=log or sys.stderr, stderr=subprocess.STDOUT if log else None,
+                                        timeout=timeout, env=env).returncode
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            if log is not None:
+                log.close()
+        if os.path.exists(out) and returncode == 0:
+            with open(out) as f:
+                report = json.load(f)
+            if own_log:
+                os.remove(log_path)  # nothing to look at
+            elif log_path is not None:
+                report["log"] = log_path
+            return report
+        causes = _rank_errors(out, world_size)
+        if returncode is None:
+            causes.insert(0, f"the ranks did not finish within {timeout:.0f} s")
+        if not causes:
+            causes = [_launcher_error(log_path, returncode)]
+        where = f" (full output: {log_path})" if log_path else ""
+        return {"ok": False, "error": "\n".join(causes) + where, "causes": causes, "log": log_path}
+
+
+def _rank_errors(out: str, world_size: int) -> list[str]:
+    """One line per distinct error the ranks wrote (`_write_error`), naming the ranks that raised it."""
+    import re
+
+    by_error: dict[str, list[int]] = {}
+    for rank in range(world_size):
+        path = f"{out}.rank{rank}.error"
+        if os.path.exists(path):
+            with open(path) as f:
+                error = f.read().strip()
+            # an error every rank raised together names the rank it came from ("OSError: [rank 0] ..."): that rank
+            if m := re.fullmatch(r"(\w+): \[rank (\d+)\] (.*)", error, re.S):
+                error, rank = f"{m[1]}: {m[3]}", int(m[2])
+            if rank not in by_error.setdefault(error, []):
+                by_error[error].append(rank)
+    return [f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, sorted(ranks)))}: {error}"
+            for error, ranks in by_error.items()]
+
+
+def _launcher_error(log_path: str | None, returncode: int | None) -> str:
+    """No rank said what went wrong (killed, or torchrun failed before starting them): the last exception line of the
+    output that is not torchrun's own summary of a failed child."""
+    import re
+
+    lines = []
+    if log_path is not None and os.path.exists(log_path):
+        with open(log_path, errors="replace") as f:
+            lines = [line.strip() for line in f]
+    found = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)
+             and "ChildFailedError" not in line]
+    if found:
+        return f"the verification job failed (exit {returncode}): {found[-1]}"
+    return f"the verification job failed (exit {returncode}) before any rank reported an error"
+
+
+def _write_error(out: str, error: BaseException) -> None:
+    """This rank's error, in one line, for `launch` to report (the traceback goes to the log)."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    with open(f"{out}.rank{os.environ.get('RANK', '0')}.error", "w") as f:
+        f.write(f"{type(error).__name__}: {first}" if first else type(error).__name__)
 
 
 def _expected(name: str, plain: dict, ep_rank: int, ep_size: int):
@@ -104,19 +180,23 @@ def _worker(args) -> None:
     deepspeed.init_distributed()
     rank = dist.get_rank()
     dtype = getattr(torch, args.dtype)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-    if dtype == torch.bfloat16:
-        config["bf16"] = {"enabled": True}
-    elif dtype == torch.float16:
-        config["fp16"] = {"enabled": True}
+    if args.ds_config is not None:  # the user's config (the command checked that its dtype is args.dtype)
+        config = json.loads(args.ds_config)
+    else:
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        if dtype == torch.bfloat16:
+            config["bf16"] = {"enabled": True}
+        elif dtype == torch.float16:
+            config["fp16"] = {"enabled": True}
     if args.ep_size:
-        config["expert_parallel"] = {**json.loads(args.expert_parallel), "enabled": True, "autoep_size": args.ep_size}
+        config["expert_parallel"] = {**(config.get("expert_parallel") or {}), **json.loads(args.expert_parallel),
+                                     "enabled": True, "autoep_size": args.ep_size}
     model_class = getattr(transformers, args.model_class)
     load_kwargs = json.loads(args.load_kwargs)
     dequantize = dequantize_config(args.checkpoint, load_kwargs)
     if dequantize is not None:  # ZeRO-3 trains dequantized weights: both loads dequantize (else a GPU keeps FP8)
         load_kwargs["quantization_config"] = dequantize
-    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config,
+    model = hf_zero3_loader.from_pretrained(model_class, args.checkpoint, ds_config=config, dtype=dtype,
                                             keep_in_fp32=args.keep_in_fp32, **load_kwargs)
     ep = model.hf_zero3_load_report.expert_parallel
     plain = None
@@ -161,7 +241,7 @@ def _worker(args) -> None:
     dist.all_gather_object(everyone, {"rank": rank, "compared": compared, "problems": problems, "cast": cast})
     if rank == 0:
         report = {"ok": not any(r["problems"] for r in everyone), "world_size": dist.get_world_size(),
-                  "ep_size": args.ep_size or 1, "checkpoint": args.checkpoint, "dtype": args.dtype,
+                  "ep_size": ep["ep_size"] if ep else 1, "checkpoint": args.checkpoint, "dtype": args.dtype,
                   "compared": sum(r["compared"] for r in everyone),
                   "problems": [p for r in everyone for p in r["problems"]], "left_by_init": sorted(left_by_init),
                   "in_engine_dtype": sorted({n for r in everyone for n in r["cast"]}),
@@ -184,4 +264,11 @@ if __name__ == "__main__":
     ap.add_argument("--expert-parallel", default="{}", help="JSON: more of DeepSpeed's expert_parallel section")
     ap.add_argument("--load-kwargs", default="{}", help="JSON: from_pretrained keywords for both loads")
     ap.add_argument("--keep-in-fp32", action="store_true", help="our load keeps the plain load's dtypes")
-    _worker(ap.parse_args())
+    ap.add_argument("--ds-config", default=None, help="JSON: the DeepSpeed config of our load")
+    args = ap.parse_args()
+    try:
+        with quiet_dependency_deprecations():  # DeepSpeed's gathers call deprecated torch.distributed names
+            _worker(args)
+    except BaseException as e:
+        _write_error(args.out, e)
+        raise

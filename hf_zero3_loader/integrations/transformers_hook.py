@@ -35,8 +35,11 @@ def install() -> None:
         from ..deepspeed_setup import find_deepspeed_setup
         from ..loader import from_pretrained as zero3_from_pretrained
 
-        setup = None if _inside_loader() else find_deepspeed_setup(None)
+        if _inside_loader():
+            return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        setup = find_deepspeed_setup(None)
         if setup is None or not setup.partitions_at_load:
+            _say_left_to_transformers(setup, pretrained_model_name_or_path)
             return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         _state.depth = getattr(_state, "depth", 0) + 1  # our loader calls from_pretrained itself
         try:
@@ -46,6 +49,18 @@ def install() -> None:
             _state.depth -= 1
 
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+
+
+def _say_left_to_transformers(setup, path) -> None:
+    """One line on rank 0 (once per model and reason): the import is active, and why this load is not ours."""
+    from .. import log
+    from ..deepspeed_setup import unpartitioned_reason
+
+    reason = unpartitioned_reason(setup)
+    name = "a state_dict" if path is None else str(path)
+    log.info_once(f"left to transformers: {reason} {name}",
+                  "import hf_zero3_loader.auto: from_pretrained(%s) loads as transformers does, whole on each rank: "
+                  "%s. hf_zero3_loader loads into ZeRO-3 partitions only under ZeRO-3.", name, reason)
 
 
 def uninstall() -> None:
