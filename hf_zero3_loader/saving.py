@@ -10,12 +10,14 @@ A save is the load plan run backwards:
    (the forward conversions, as a load would) and plans this rank's partitions: `ReadItem`s saying which box of which
    on-disk tensor each partition range is. Under expert parallelism the AutoEP tensors are boxes of transformers'
    fused ones, as when loading. A round-trip check proves every on-disk element is written exactly once.
-3. Write (`writer.py`): one rank creates the files at their final size in a temporary folder; every rank `pwrite`s its
-   partition ranges to their boxes. Ranks that cannot see the folder stream their bytes to a rank that can, in bounded
-   chunks (`streaming.Streamer.send_partitions`).
-4. Publish: the ranks agree every write succeeded; the folder is renamed into place (into a folder holding other files,
-   the files are moved in: weights first, config and index last). A failure anywhere removes the temporary folder and
-   raises the same error on every rank.
+3. Write (`writer.py`): one rank creates the files at their final size in a temporary folder beside the target
+   (`save_folder.py`), under names no loader looks for (`*.partial`); every rank `pwrite`s its partition ranges to
+   their boxes. Ranks that cannot see the folder stream their bytes to a rank that can, in bounded chunks
+   (`streaming.Streamer.send_partitions`).
+4. Publish: the ranks agree every write succeeded; the files take their names and the folder is renamed into place
+   (into a folder holding other files, the files are moved in: weights first, config and index last). A failure
+   anywhere removes the temporary folder and raises the same error on every rank; one left by a writer that was
+   killed loads nowhere, and the next save into the target removes it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import copy
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import tempfile
 import time
@@ -37,8 +38,7 @@ from . import _deepspeed_private as ds_private
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import Agreement
-from .checkpoint import (INDEX_NAMES, SINGLE_NAMES, Checkpoint, PlannedFile, plan_safetensors_file,
-                         with_variant)
+from .checkpoint import Checkpoint, PlannedFile, plan_safetensors_file
 from .deepspeed_setup import local_device
 from .errors import CheckpointError, ConfigError, LoaderError
 from .expert_parallel import loaded_layout
@@ -47,13 +47,12 @@ from .planner.plan import (LoadPlan, PartitionGroup, SourceBox, check_plan_is_ex
                            resolve_checkpoint)
 from .reader import STAGING_BYTES, default_io_threads
 from .report import timed_phase
+from .save_folder import UNFINISHED, WRITER_FILE, TempFolder, is_index, unfinished
 from .streaming import DEFAULT_CHUNK_BYTES, Peer, Streamer, decide, node_id
 from .writer import FileWriter, WriteStats, create_file, run_writes
 
 FILE_LAYOUTS = ("transformers", "accelerate")
 WRITE_MODES = ("auto", "write", "stream")
-TEMP_MARK = ".hf_zero3_tmp-"
-TOKEN_FILE = ".hf_zero3_writer"
 
 
 @dataclass
@@ -402,7 +401,7 @@ class _Save:
         self.extra_files, self.refused = extra_files, refused
         self.threads = default_io_threads() if write_threads is None else write_threads
         self.layout = loaded_layout(module)
-        self.temp: str | None = None  # the writer's temporary folder, until published
+        self.temp: TempFolder | None = None  # the writer's temporary folder, until published
 
     def run(self) -> None:
         report, agreement = self.report, self.agreement
@@ -479,44 +478,39 @@ class _Save:
             except Exception as e:
                 error = e
             agreement.check("create the checkpoint files", error)
-            shared = agreement.share("save folder") if report.rank != writer else {"temp": self.temp,
-                                                                                       "token": self.token}
+            shared = agreement.share("save folder") if report.rank != writer else {"temp": self.temp.path,
+                                                                                       "token": self.temp.token}
             self._write(shared["temp"], shared["token"], writer)
             error = None
             try:
                 if report.rank == writer:
                     with report.phase("publish"):
                         if self.extra_files is not None:
-                            self.extra_files(self.temp)
-                        self._publish()
+                            self.extra_files(self.temp.path)
+                        self.temp.publish(set(self.files), self.variant,
+                                          remove_stale_shards=self.file_layout == "transformers")
                         published = True
             except Exception as e:
                 error = e
             agreement.check("publish the checkpoint", error)
         finally:
             if report.rank == writer and not published and self.temp is not None:
-                shutil.rmtree(self.temp, ignore_errors=True)
+                self.temp.remove()
 
     def _create_files(self, private: str) -> None:
-        final = self.report.folder
-        if os.path.isfile(final):
-            raise ConfigError(f"{final} is a file; save_pretrained needs a folder")
-        # a new (or empty) folder is renamed into place whole; into a folder holding other files, files are moved
-        self.into_existing = os.path.isdir(final) and bool(os.listdir(final))
-        self.token = secrets.token_hex(8)
-        parent = final if self.into_existing else os.path.dirname(final)
-        os.makedirs(parent, exist_ok=True)
-        self.temp = os.path.join(parent, (TEMP_MARK if self.into_existing else f".{os.path.basename(final)}{TEMP_MARK}")
-                                 + self.token)
-        os.mkdir(self.temp)
+        """The temporary folder (`save_folder.TempFolder`; earlier saves' whose writers are gone removed), the small
+        files, and every weight file at its final size, under its unfinished name."""
+        temp = self.temp = TempFolder(self.report.folder)
+        if temp.removed:
+            log.info("removed %d temporary folders of earlier saves into %s whose writers are gone: %s",
+                     len(temp.removed), self.report.folder, ", ".join(temp.removed))
         for name in os.listdir(private):  # config, generation config, index, custom code: the library wrote them
             source = os.path.join(private, name)
-            (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, os.path.join(self.temp, name))
+            target = os.path.join(temp.path, unfinished(name) if is_index(name, self.variant) else name)
+            (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
         for planned in self.files.values():
-            create_file(os.path.join(self.temp, planned.name), planned.header, planned.size)
-        with open(os.path.join(self.temp, TOKEN_FILE), "w") as f:
-            f.write(self.token)
-        self.agreement.share("save folder", {"temp": self.temp, "token": self.token})
+            create_file(os.path.join(temp.path, unfinished(planned.name)), planned.header, planned.size)
+        self.agreement.share("save folder", {"temp": temp.path, "token": temp.token})
 
     def _write(self, temp: str, token: str, writer: int) -> None:
         """Every rank writes its partitions into `temp`; ranks that cannot see it stream to ranks that can."""
@@ -596,7 +590,7 @@ class _Save:
             if senders:
                 plans = {r: self._plan_for(Peer(**peers[r])) for r in senders}
                 self.agreement.run_watched(
-                    lambda: streamer.receive_to_files(plans, self.checkpoint, file_writer, temp), phase,
+                    lambda: streamer.receive_to_files(plans, self.checkpoint, file_writer, temp, UNFINISHED), phase,
                     streamer.cancelled)
         report.stream = {"writes_files": sink is None, **({"streams_to": sink} if sink is not None else {}),
                          **({"receives_from": senders} if senders else {}), "bytes_sent": streamer.bytes_sent,
@@ -623,52 +617,18 @@ class _Save:
         return plan_writes(self.module, self.resolution, self.checkpoint, self.layout, peer.rank, world,
                            group_of=group_of, ep_rank=peer.ep_rank, not_saved=self.not_saved)
 
-    def _publish(self) -> None:
-        """Move the finished files into place: the temporary folder renamed, or its files moved into the existing
-        folder with the weights first and config, then the index (or the single weights file) last. An earlier
-        save's weights there go: its numbered shards (as transformers' save_pretrained removes them), and its single
-        weights file or index, which transformers leaves; its single file would shadow the new shards on loading."""
-        final, temp = self.report.folder, self.temp
-        os.remove(os.path.join(temp, TOKEN_FILE))
-        if not self.into_existing:
-            if os.path.isdir(final) and not os.listdir(final):
-                os.rmdir(final)
-            os.rename(temp, final)
-            self.temp = None
-            return
-        names = os.listdir(temp)
-        index, single = with_variant(INDEX_NAMES[0], self.variant), with_variant(SINGLE_NAMES[0], self.variant)
-        last = [n for n in ("config.json", index) if n in names]
-        weights = sorted(n for n in names if n in self.files and n not in last)
-        order = weights + sorted(n for n in names if n not in weights and n not in last) + last
-        if len(self.files) == 1:  # the single weights file marks the checkpoint complete: it goes last
-            order = [n for n in order if n not in self.files] + list(self.files)
-        for name in order:
-            target = os.path.join(final, name)
-            if name == index and os.path.isfile(os.path.join(final, single)):
-                # an earlier save's single file: transformers (and this loader) would load it, not these shards
-                os.remove(os.path.join(final, single))
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            os.replace(os.path.join(temp, name), target)
-        if self.file_layout == "transformers":
-            _remove_stale_shards(final, set(self.files), self.variant)
-        if index not in names and os.path.isfile(os.path.join(final, index)):  # an earlier save's, naming its shards
-            os.remove(os.path.join(final, index))
-        os.rmdir(temp)
-        self.temp = None
-
 
 def _in_folder(item, folder: str):
+    """The item writing into its file's unfinished name in `folder`."""
     from dataclasses import replace
 
-    return replace(item, file=os.path.join(folder, item.file))
+    return replace(item, file=os.path.join(folder, unfinished(item.file)))
 
 
 def _sees_folder(temp: str, token: str) -> tuple[bool, str]:
     """Whether this rank sees the writer's temporary folder (the same filesystem) and may write into it."""
     try:
-        with open(os.path.join(temp, TOKEN_FILE)) as f:
+        with open(os.path.join(temp, WRITER_FILE)) as f:
             if f.read() != token:
                 return False, f"{temp} here is another folder than the writing rank's"
     except OSError as e:
@@ -676,17 +636,3 @@ def _sees_folder(temp: str, token: str) -> tuple[bool, str]:
     if not os.access(temp, os.W_OK):
         return False, f"{temp} is not writable here"
     return True, ""
-
-
-def _remove_stale_shards(folder: str, written: set[str], variant: str | None) -> None:
-    """What transformers' save_pretrained removes: numbered weight shards of an earlier save that this one did not
-    write (`model-00003-of-00004.safetensors` after a save into fewer shards)."""
-    import re
-
-    weights_no_suffix = f"model.{variant}" if variant else "model"
-    pattern = re.compile(r"(.*?)-\d{5}-of-\d{5}")
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if (name.startswith(weights_no_suffix) and os.path.isfile(path) and name not in written
-                and pattern.fullmatch(name.replace(".safetensors", "")) is not None):
-            os.remove(path)

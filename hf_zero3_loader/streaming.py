@@ -658,8 +658,10 @@ class Streamer:
                     pass
             raise
 
-    def receive_to_files(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_writer, folder: str) -> None:
-        """Receive each sending rank's plan's bytes and write them where its plan puts them in the files."""
+    def receive_to_files(self, plans: dict[int, LoadPlan], checkpoint: Checkpoint, file_writer, folder: str,
+                         suffix: str = "") -> None:
+        """Receive each sending rank's plan's bytes and write them where its plan puts them in the files (in `folder`,
+        each file's name followed by `suffix`)."""
         from .writer import execute_write
 
         streams = {source: stream_chunks(plans[source], self.chunk_bytes, narrow=False) for source in plans}
@@ -677,7 +679,7 @@ class Streamer:
                     data = buf[:size].cpu()
                     for piece in chunk:
                         item = piece.source()
-                        item = ReadItem(os.path.join(folder, item.file), item.key, item.src_dtype, item.src_offset,
+                        item = ReadItem(os.path.join(folder, item.file + suffix), item.key, item.src_dtype, item.src_offset,
                                         item.rows, item.cols, item.row_stride, 0)
                         execute_write(file_writer, item, checkpoint.entries[item.key].data_start,
                                       data[piece.offset:piece.offset + piece.nbytes].view(item.src_dtype))

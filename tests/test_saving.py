@@ -186,6 +186,69 @@ def test_a_failing_or_dead_rank_leaves_no_checkpoint_and_every_rank_raises_the_s
     assert os.listdir(parent) == [], os.listdir(parent)  # no temporary folder left behind
 
 
+def _temp_folders(parent: str) -> list[str]:
+    """The save's temporary folders in `parent` and in the folders inside it."""
+    found = [os.path.join(parent, n) for n in os.listdir(parent) if ".hf_zero3_tmp-" in n]
+    for n in os.listdir(parent):
+        if os.path.isdir(os.path.join(parent, n)):
+            found += [os.path.join(parent, n, m) for m in os.listdir(os.path.join(parent, n)) if ".hf_zero3_tmp-" in m]
+    return found
+
+
+def _contents(folder: str) -> dict:
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+def test_a_save_killed_on_either_rank_leaves_nothing_loadable_and_the_next_save_removes_what_it_left(workdir):
+    """A save killed part-way: on the writing rank (rank 0, into an existing checkpoint folder), the folder stays the
+    earlier checkpoint, byte for byte, and the temporary folder left beside it holds no file a loader looks for (its
+    weights and index are `*.partial`): transformers' plain from_pretrained of it fails, saying there are no weights.
+    The next save into the folder removes it. On another rank (into a new folder): no folder, nothing left."""
+    from transformers import AutoModelForCausalLM
+
+    parent = os.path.join(workdir, "saved_killed")
+    shutil.rmtree(parent, ignore_errors=True)
+    os.makedirs(parent)
+    existing, fresh = os.path.join(parent, "existing"), os.path.join(parent, "fresh")
+    shutil.copytree(make_checkpoint(os.path.join(workdir, "qwen3_moe_sharded"), "qwen3_moe", sharded=True), existing)
+    before = _contents(existing)
+
+    def case(name: str, folder: str, dies: int | None = None) -> dict:
+        c = save_case(workdir, 2, "qwen3_moe", None, "float32", "20KB", train_steps=0)
+        c["save"] = {"dir": folder, "kwargs": {"max_shard_size": "20KB", "liveness_timeout_s": 5, "write_threads": 1}}
+        c.update(name=name, out=os.path.join(workdir, f"save_killed_{name}.pt"))
+        if dies is not None:
+            c["save_inject"] = {"rank": dies, "kind": "die_in_write", "after": 3}
+        return c
+
+    (writer_died,) = run_ranks(2, [case("writer_dies", existing, dies=0)], workdir, timeout=300)
+    assert writer_died[0] is None or "save" not in writer_died[0], writer_died[0]
+    assert "DistributedLoadError" in writer_died[1]["save_error"]["mro"], writer_died[1]["save_error"]
+    assert _contents(existing) == before  # the earlier checkpoint, untouched
+    (left,) = _temp_folders(parent)
+    assert os.path.dirname(left) == parent  # beside the folder, not inside it
+    assert not [n for n in os.listdir(left) if n.endswith((".safetensors", ".json")) and n != "config.json"
+                and n != "generation_config.json"], os.listdir(left)
+    assert any(n.endswith(".safetensors.partial") for n in os.listdir(left)), os.listdir(left)
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(left)
+
+    again, other_died = run_ranks(2, [case("next_save", existing), case("other_dies", fresh, dies=1)], workdir,
+                                  timeout=300)
+    assert all("save_error" not in r for r in again), [r.get("save_error") for r in again]
+    assert not os.path.exists(left)
+    model, info = plain_load(existing)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    state = torch.load(os.path.join(workdir, "save_killed_next_save.pt"), weights_only=False)["rank0"]["state"]
+    plain = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    for name, want in state.items():
+        assert torch.equal(plain[name], want), name
+    survivor = other_died[0]["save_error"]
+    assert "DistributedLoadError" in survivor["mro"] and "rank 1" in survivor["message"], survivor
+    assert not os.path.exists(fresh)
+    assert _temp_folders(parent) == [], _temp_folders(parent)
+
+
 def test_save_arguments_refused_or_unlike_across_ranks_fail_alike_and_publish_nothing(workdir):
     """Refused arguments, and arguments that shape the files or the streams given on one rank only. A rank asking
     for another write mode once left its partitions unwritten in the folder the writer published (zeros, no error
