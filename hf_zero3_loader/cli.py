@@ -375,8 +375,8 @@ def main(argv=None) -> int:
     plan.add_argument("--world-size", type=int, required=True, help="the number of ranks (processes) of the load")
     plan.add_argument("--ep-size", type=int, default=None, help="expert parallelism (DeepSpeed AutoEP layout)")
     plan.add_argument("--ds-config", help="DeepSpeed config JSON (dtype, offload); default ZeRO-3 bf16")
-    plan.add_argument("--device-memory", type=float, default=None, help="GiB of memory per rank (a GPU's; with --device cpu, host memory): does training "
-                           "fit?")
+    plan.add_argument("--device-memory", type=float, default=None,
+                      help="GiB of memory per rank (a GPU's; with --device cpu, host memory): does training fit?")
     plan.add_argument("--device", default=None, choices=("cuda", "cpu"),
                       help="where partitions live (default: cuda where torch sees a GPU, else cpu)")
     plan.add_argument("--model-class", default=None,

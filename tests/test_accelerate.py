@@ -193,17 +193,79 @@ def test_zero3_init_flag_false_loads_the_whole_model_as_transformers_does(workdi
 
 
 def test_without_zero3_the_hook_leaves_from_pretrained_alone(workdir):
+    """...and says so, once, on rank 0: a user can tell the import is active, and why it did nothing."""
+    import logging
+
     from transformers import AutoModelForCausalLM
 
     from hf_zero3_loader.integrations.transformers_hook import install, uninstall
 
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
     path = make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied")
+    lines = Lines()
+    logging.getLogger("hf_zero3_loader").addHandler(lines)
     install()
     try:
         model = AutoModelForCausalLM.from_pretrained(path)
     finally:
         uninstall()
+        logging.getLogger("hf_zero3_loader").removeHandler(lines)
     assert not hasattr(model, "hf_zero3_load_report")
+    said = [m for m in lines.messages if m.startswith("import hf_zero3_loader.auto: ")]
+    assert len(said) == 1 and f"from_pretrained({path}) loads as transformers does" in said[0] and \
+        "no DeepSpeed config found" in said[0], lines.messages
     plain = AutoModelForCausalLM.from_pretrained(path)
     for (name, a), (_, b) in zip(model.named_parameters(), plain.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_the_shipped_accelerate_configs_hold_their_deepspeed_config():
+    """scripts/accelerate/*.yaml hold their DeepSpeed config as JSON text (accelerate reads it as it reads a file),
+    the same as the ds_*.json beside them; the loader reads it the same way. A config file given by a relative path
+    that is not there from the working directory is named, with that directory (accelerate says only "Expected a
+    string path to an existing deepspeed config")."""
+    import pytest
+    import yaml
+
+    from hf_zero3_loader.deepspeed_setup import accelerate_config_file
+    from hf_zero3_loader.errors import ConfigError
+
+    folder = os.path.join(ROOT, "scripts", "accelerate")
+    for name in ("zero3", "zero3_ep"):
+        with open(os.path.join(folder, f"{name}.yaml")) as f:
+            inline = yaml.safe_load(f)["deepspeed_config"]["deepspeed_config_file"]
+        with open(os.path.join(folder, f"ds_{name}.json")) as f:
+            assert json.loads(inline) == json.load(f), name
+        assert accelerate_config_file(inline) == json.loads(inline)
+    with pytest.raises(ConfigError, match=r"'scripts/accelerate/nothing\.json', does not exist \(a relative path, "
+                                          r"opened from the working directory"):
+        accelerate_config_file("scripts/accelerate/nothing.json")
+
+
+def test_the_shipped_accelerate_config_trains_from_another_folder(workdir):
+    """`accelerate launch --config_file <repo>/scripts/accelerate/zero3.yaml` run from a folder of the user's own (it
+    named its DeepSpeed config by a path relative to the repository: accelerate failed from anywhere else): the
+    example script loads into ZeRO-3 partitions, trains and saves."""
+    from tests.checkpoints import add_word_tokenizer, trainable_moe_config
+
+    model = add_word_tokenizer(make_checkpoint(os.path.join(workdir, "trl_qwen3_moe"), "qwen3_moe",
+                                               config=trainable_moe_config()), 101)
+    elsewhere = os.path.join(workdir, "a_users_folder")
+    os.makedirs(elsewhere, exist_ok=True)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "scripts", "accelerate", "zero3.yaml"), "--main_process_port", str(free_port()),
+           os.path.join(ROOT, "scripts", "finetune_moe.py"), "--model", model, "--output-dir", "run",
+           "--max-steps", "3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=elsewhere,
+                          env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "finetune_moe: 3 steps" in proc.stdout and "loaded into ZeRO-3 partitions;" in proc.stdout, proc.stdout
+    assert "loaded " + model + " on 2 ranks in" in proc.stderr, proc.stderr[-4000:]
+    assert {"model.safetensors", "config.json"} <= set(os.listdir(os.path.join(elsewhere, "run")))
