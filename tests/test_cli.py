@@ -122,6 +122,77 @@ def test_verify_compares_a_real_load_with_the_plain_one(workdir):
         assert report["ok"] and report["compared"] >= 27 and not report["problems"], report
 
 
+def test_verify_takes_a_deepspeed_config_and_a_port_and_reports_a_ranks_error_in_one_line(workdir, tmp_path):
+    """--ds-config is the ranks' DeepSpeed config (its dtype, with no --dtype, is both loads'), --port torchrun's. A
+    rank's error is one line naming the rank (not both ranks' tracebacks and torchrun's ChildFailedError); the ranks'
+    whole output is in the log file the line names."""
+    import re
+
+    from tests.conftest import free_port
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    config = tmp_path / "ds_fp32.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}))
+    result = _cli("verify", path, "--world-size", "2", "--ds-config", str(config), "--port", str(free_port()),
+                  "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["dtype"] == "float32" and report["compared"] >= 27, report
+
+    weightless = tmp_path / "weightless"  # a folder with the config and no weights: every rank's load fails
+    weightless.mkdir()
+    (weightless / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    failed = _cli("verify", str(weightless), "--world-size", "2")
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr and "ChildFailedError" not in failed.stderr
+    lines = failed.stderr.strip().splitlines()[-2:]
+    assert re.fullmatch(r"hf-zero3-loader verify: ranks? [\d, ]+: OSError: .*no file named model\.safetensors.*",
+                        lines[0]), failed.stderr[-3000:]
+    log = re.fullmatch(r"hf-zero3-loader verify: the ranks' full output is in (\S+) .*", lines[1])
+    assert log and "Traceback" in open(log[1]).read(), lines[1]
+    os.remove(log[1])
+
+
+def test_verify_refuses_what_it_cannot_launch_in_one_line(workdir, tmp_path, capsys):
+    """Before launching anything: a checkpoint folder that is not there (a typo), a --ds-config that is missing, not
+    ZeRO-3, or in another dtype than --dtype."""
+    from hf_zero3_loader.cli import main
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    zero2, bf16 = tmp_path / "zero2.json", tmp_path / "bf16.json"
+    zero2.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    bf16.write_text(json.dumps({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}))
+    typo = path + "_typo"
+    capsys.readouterr()  # the checkpoint's writing
+    for args, said in (([typo], f"no such folder: {typo}"),
+                       ([path, "--ds-config", str(tmp_path / "none.json")], "cannot read --ds-config"),
+                       ([path, "--ds-config", str(zero2)], "is ZeRO stage 2: verify checks ZeRO-3 loads"),
+                       ([path, "--ds-config", str(bf16), "--dtype", "float32"],
+                        "--dtype float32 conflicts with --ds-config")):
+        assert main(["verify", *args, "--world-size", "2"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("hf-zero3-loader verify: ") and said in err, err
+
+
+def test_plan_prints_sizes_in_units_that_suit_them_and_words_a_cpu_run_so(workdir, capsys):
+    """A small model: thousands of parameters (not "0.00B"), KiB read (not a "GiB" column of KiB); with --device cpu
+    (the default on a machine without a GPU) the partitions are in host memory, and no column or line says device."""
+    import re
+
+    from hf_zero3_loader.cli import default_device, main
+
+    path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    capsys.readouterr()
+    assert main(["plan", path, "--world-size", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"qwen3_moe, \d+\.\dK parameters, [\d.]+ KiB on disk", out), out
+    assert "partitions on the CPU (host memory)" in out and "dev" not in out and "device" not in out, out
+    assert re.search(r"^\s+0\s+[\d.]+ KiB\s+\d+ \|", out, re.M), out
+    assert re.search(r"per rank: [\d.]+ KiB of host memory", out), out
+    assert main(["plan", path, "--world-size", "2"]) == 0
+    default = capsys.readouterr().out
+    assert ("partitions on the CPU" in default) == (default_device() == "cpu"), default
+
+
 def test_verify_compares_a_router_the_plain_load_keeps_in_fp32_in_the_engines_dtype(workdir):
     """GLM-4.5 MoE's router, which transformers 5.24 keeps in fp32 (`_keep_in_fp32_modules_strict`; 5.23 does not):
     loaded in the engine's dtype by default (as zero.Init casts it), it equals the plain values cast, and is listed;

@@ -508,6 +508,8 @@ def test_legacy_strided_and_shared_storage_pickled_checkpoints_load_bit_exact(wo
 
 
 def test_plain_python_without_a_launcher_loads_as_world_size_1(workdir):
+    import re
+
     path = make_checkpoint(os.path.join(workdir, "llama_untied"), "llama_untied")
     out = os.path.join(workdir, "no_launcher.pt")
     code = f"""
@@ -527,6 +529,9 @@ torch.save({{"state": state, "world": torch.distributed.get_world_size()}}, {out
                           env={**env, "PYTHONPATH": python_path()})
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "loading as a single process (world size 1)" in proc.stderr
+    # the load's line in plain words: "1 rank", what it built, what this rank read
+    assert re.search(rf"loaded {re.escape(path)} on 1 rank in [\d.]+ s: ZeRO-3 partitions, this rank read [\d.]+ KiB",
+                     proc.stderr), proc.stderr[-4000:]
     got = torch.load(out)
     assert got["world"] == 1
     for name, want in _plain(path).items():
