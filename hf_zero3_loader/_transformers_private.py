@@ -15,6 +15,8 @@
 - `core_model_loading.revert_weight_conversion`'s choice of conversions (`conversions_for_save`), and
   `WeightTransform._original_source_patterns` / `_original_target_patterns`, to rebuild a quantizer's converter
   without its dequantize op (`conversions_without_dequantize`).
+- `_BaseAutoModelClass._model_mapping._model_mapping` (model type -> class name(s)): which auto class builds the
+  architecture a config names (`auto_class_builds`, for the command line's default `--model-class`).
 - `GgufHfQuantizer.supported`: False when transformers' legacy GGUF loader handles the architecture, which hands
   `_load_pretrained_model` every tensor already dequantized (`state_dict_is_dequantized`).
 """
@@ -304,3 +306,10 @@ def meta_model(model_class, config, dtype):
         model = model_class._from_config(config, dtype=dtype)
     model.tie_weights()
     return model
+
+
+def auto_class_builds(auto_class, model_type: str, architecture: str) -> bool:
+    """Whether `auto_class` (e.g. `transformers.AutoModelForImageTextToText`) maps `model_type` to `architecture`,
+    read from its lazy mapping's names without importing any model code."""
+    built = auto_class._model_mapping._model_mapping.get(model_type)
+    return architecture in (built if isinstance(built, tuple) else (built,))

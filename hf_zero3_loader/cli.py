@@ -157,10 +157,11 @@ def _model_class_name(args) -> str:
         config = transformers.AutoConfig.from_pretrained(args.checkpoint, **_load_kwargs(args))
     except (OSError, ValueError):  # the load itself reports what is wrong with the folder
         return "AutoModelForCausalLM"
+    from ._transformers_private import auto_class_builds
+
     named = (getattr(config, "architectures", None) or [None])[0]
     for name in _AUTO_CLASSES:
-        built = getattr(transformers, name)._model_mapping._model_mapping.get(config.model_type)
-        if named is not None and named in (built if isinstance(built, tuple) else (built,)):
+        if named is not None and auto_class_builds(getattr(transformers, name), config.model_type, named):
             return name
     return "AutoModelForCausalLM"
 
