@@ -159,24 +159,8 @@ def from_pretrained(
     report.phases["init_distributed"] = init_distributed_s  # not part of the load: reported on its own
     report.seconds = time.perf_counter() - start - init_distributed_s
     source = "a state_dict" if pretrained_model_name_or_path is None else pretrained_model_name_or_path
-    log.info("%s", load_line(source, report))
+    log.info("%s", report.line(source))
     return model
-
-
-def load_line(source, report: LoadReport) -> str:
-    """The line a load logs on rank 0, in plain words (the init context and the reason are in the report)."""
-    if report.init_context == "zero.Init":
-        how = "transformers' own ZeRO-3 path (deepspeed.zero.Init)"
-    else:
-        how = "ZeRO-3 partitions"
-        if report.expert_parallel:
-            how += f", experts split over {log.ranks(report.expert_parallel['ep_size'])} (expert parallelism)"
-    line = f"loaded {source} on {log.ranks(report.world_size)} in {report.seconds:.2f} s: {how}"
-    if report.init_context != "zero.Init":
-        line += f", this rank read {log.size(report.read.bytes_read)}"
-        if report.stream:
-            line += f" and received {log.size(report.stream['bytes_received'])} from another rank"
-    return line
 
 
 def keep_zero3_visible_to_transformers(model, setup) -> None:

@@ -44,6 +44,23 @@ class LoadReport:
     def phase(self, name: str):
         return timed_phase(self.phases, name)
 
+    def line(self, source) -> str:
+        """What rank 0 logs after the load of `source`, in plain words (the init context and the reason are in
+        `summary()`)."""
+        from . import log
+
+        if self.init_context == "zero.Init":
+            return (f"loaded {source} on {log.ranks(self.world_size)} in {self.seconds:.2f} s: transformers' own "
+                    "ZeRO-3 path (deepspeed.zero.Init)")
+        how = "ZeRO-3 partitions"
+        if self.expert_parallel:
+            how += f", experts split over {log.ranks(self.expert_parallel['ep_size'])} (expert parallelism)"
+        line = (f"loaded {source} on {log.ranks(self.world_size)} in {self.seconds:.2f} s: {how}, this rank read "
+                f"{log.size(self.read.bytes_read)}")
+        if self.stream:
+            line += f" and received {log.size(self.stream['bytes_received'])} from another rank"
+        return line
+
     def summary(self) -> dict:
         out = {"init_context": self.init_context, "reason": self.reason, "rank": self.rank,
                "bytes_read": self.read.bytes_read, "read_calls": self.read.reads,
