@@ -217,16 +217,19 @@ class Agreement:
 
     def check(self, phase: str, error: BaseException | None = None, same: dict | None = None,
               differs: str = "are not loading the same checkpoint", error_type: type = errors.CheckpointError,
-              hint: str | None = None, hints: dict[str, str] | None = None) -> None:
+              hint: str | None = None, hints: dict[str, str] | None = None, same_where_known: dict | None = None,
+              explain=None) -> None:
         """Every rank calls this at the same points; raise on every rank if `error` is set on any rank, or if
         `same` (label -> value) differs from the first rank's (then `error_type`: "ranks A and B {differs}: ...",
-        ending with what to do: `hints[label]`, else `hint`)."""
+        ending with what to do: `hints[label]`, else `hint`). `same_where_known`: values only some ranks know (a
+        file's sha256), compared among the ranks that pass them, against the first of them. `explain(label, theirs,
+        mine, their_rank, my_rank)` may say how two values differ (else both are shown)."""
         if isinstance(error, AgreedFailure):
             raise error
         key = f"{self.prefix}/point{next(self.points)}"
         try:
             if error is None and same is not None:
-                error = self._compare(key, same, differs, error_type, hint, hints or {})
+                error = self._compare(key, same, differs, error_type, hint, hints or {}, same_where_known, explain)
             if error is not None:
                 payload = json.dumps([self.rank, type(error).__module__, type(error).__qualname__, str(error)])
                 self.store.compare_set(f"{key}/error", "", payload)  # the first failure wins
@@ -264,6 +267,33 @@ class Agreement:
             raise _store_lost(e) from e
         return [json.loads(v) for v in raw]
 
+    def gather_node(self, phase: str, node: str, value: dict, needed: bool) -> list[dict] | None:
+        """Every rank publishes `value` (JSON); when any rank says `needed`, each rank gets the values of the ranks on
+        its own `node` (ranks sharing storage: the work of a node split between them), else None. A rank that fails
+        instead, at this point (`check` with its error), fails every rank here."""
+        key = f"{self.prefix}/point{next(self.points)}"
+        group = f"{key}/node/{digest(node)}"
+        try:
+            slot = int(self.store.add(f"{group}/count", 1)) - 1
+            self.store.set(f"{group}/{slot}", json.dumps(value))
+            if needed:
+                self.store.add(f"{key}/needed", 1)
+            if self.store.add(f"{key}/arrived", 1) == self.world_size:
+                self.store.set(f"{key}/done", "1")
+            self._wait(f"{key}/done", phase)
+            if self.store.check([f"{key}/error"]):
+                rank, module, qualname, message = json.loads(self.store.get(f"{key}/error"))
+                raise _agreed(_lookup(module, qualname), f"[rank {rank}] {message}")
+            if not self.store.add(f"{key}/needed", 0):
+                return None
+            count = int(self.store.add(f"{group}/count", 0))
+            raw = self.store.multi_get([f"{group}/{i}" for i in range(count)])
+        except AgreedFailure:
+            raise
+        except Exception as e:
+            raise _store_lost(e) from e
+        return [json.loads(v) for v in raw]
+
     def share(self, name: str, value=None):
         """Values one rank computes and the others read, through the store: the owner calls `share(name, value)`
         before an agreement point, the others `share(name)` after it."""
@@ -277,20 +307,23 @@ class Agreement:
             raise _store_lost(e) from e
 
     def _compare(self, key: str, same: dict, differs: str, error_type: type, hint: str | None,
-                 hints: dict) -> BaseException | None:
-        mine = {"rank": self.rank, "values": same}
-        stored = self.store.compare_set(f"{key}/reference", "", json.dumps(mine)).decode()
-        reference = json.loads(stored)
-        if reference["rank"] == self.rank:
-            return None
-        theirs = reference["values"]
-        for label in list(theirs) + [k for k in same if k not in theirs]:
-            if theirs.get(label) != same.get(label):
-                return error_type(
-                    f"ranks {reference['rank']} and {self.rank} {differs}: "
-                    f"{label} differs ({_short(theirs.get(label))} on rank {reference['rank']}, "
-                    f"{_short(same.get(label))} on rank {self.rank})"
-                    + (f"; {hints.get(label, hint)}" if hints.get(label, hint) else ""))
+                 hints: dict, known: dict | None = None, explain=None) -> BaseException | None:
+        for reference_key, values in (("reference", same), ("reference_known", known)):
+            if not values:
+                continue
+            mine = {"rank": self.rank, "values": values}
+            reference = json.loads(self.store.compare_set(f"{key}/{reference_key}", "", json.dumps(mine)).decode())
+            if reference["rank"] == self.rank:
+                continue
+            theirs, other = reference["values"], reference["rank"]
+            for label in list(theirs) + [k for k in values if k not in theirs]:
+                if theirs.get(label) == values.get(label):
+                    continue
+                how = explain(label, theirs.get(label), values.get(label), other, self.rank) if explain else None
+                how = how or (f"{_short(theirs.get(label))} on rank {other}, {_short(values.get(label))} on rank "
+                              f"{self.rank}")
+                return error_type(f"ranks {other} and {self.rank} {differs}: {label} differs ({how})"
+                                  + (f"; {hints.get(label, hint)}" if hints.get(label, hint) else ""))
         return None
 
     @contextmanager

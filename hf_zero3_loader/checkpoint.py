@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 import struct
 import time
@@ -95,8 +96,9 @@ class Checkpoint:
     header_bytes: int
     metadata: dict[str, str]
     identities: dict[str, FileIdentity] = field(default_factory=dict)
-    # per file: what ranks compare to prove they load the same copy (size, header digest, sampled-data digest)
-    fingerprints: dict[str, str] = field(default_factory=dict)
+    # per file name: what ranks compare to prove they load the same copy (`FileFingerprint`); a `state_dict=`'s are
+    # strings (`checkpoint_from_state_dict`)
+    fingerprints: dict[str, "FileFingerprint | str"] = field(default_factory=dict)
     sampled_bytes: int = 0
     # tensors the conversion computes from stored ones (dequantized FP8 / MXFP4), by key: see dequantize.py
     computed: dict = field(default_factory=dict)
@@ -116,23 +118,61 @@ class Checkpoint:
 SAMPLE_BLOCKS, SAMPLE_BYTES = 8, 4096  # data read per file to compare copies across ranks
 
 
-def _sample_digest(fd: int, start: int, end: int) -> tuple[str, int]:
-    """sha256 of up to SAMPLE_BLOCKS blocks of SAMPLE_BYTES spread evenly over [start, end) (the first and last
-    included): copies that differ in values, not just in layout, differ here."""
-    digest, read = hashlib.sha256(), 0
+def sample_spans(start: int, end: int) -> list[tuple[int, int]]:
+    """(offset, size) of the up to SAMPLE_BLOCKS blocks of SAMPLE_BYTES spread evenly over [start, end), the first and
+    last included."""
     span = end - start
     if span <= SAMPLE_BLOCKS * SAMPLE_BYTES:
-        offsets = [start] if span else []
-        sizes = [span]
-    else:
-        step = (span - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1)
-        offsets = [start + i * step for i in range(SAMPLE_BLOCKS)]
-        sizes = [SAMPLE_BYTES] * SAMPLE_BLOCKS
-    for offset, size in zip(offsets, sizes):
-        block = os.pread(fd, size, offset)
-        digest.update(block)
-        read += len(block)
-    return digest.hexdigest(), read
+        return [(start, span)] if span else []
+    step = (span - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1)
+    return [(start + i * step, SAMPLE_BYTES) for i in range(SAMPLE_BLOCKS)]
+
+
+SEGMENTS_PER_BLOCK = 8  # a sampled block is digested per tensor it holds, in at most this many pieces
+
+
+@dataclass(frozen=True)
+class FileFingerprint:
+    """What ranks compare to prove they read the same copy of a file: its size, its header's digest (safetensors), a
+    digest of a few blocks sampled over its data (`sample_spans(start, size)`), the short digest of each piece of
+    those blocks that one tensor holds (`samples`, starting at `sample_starts`: where copies differ, the tensor is
+    named), and, where known without reading the file, the sha256 of the whole file (`sha256_from` says how)."""
+
+    size: int
+    header: str | None  # None: a pickle
+    data: str
+    samples: tuple[str, ...]
+    sample_starts: tuple[tuple[int, int], ...]  # (file offset, bytes) of each sample: this rank's, not compared
+    sha256: str | None = None
+    sha256_from: str = ""
+
+    def compared(self) -> dict:
+        """The values every rank compares with the first rank's (all but the sha256, which not every rank may know:
+        `Agreement.check(same_where_known=...)`)."""
+        return {"size": self.size, "header": self.header, "data": self.data, "samples": list(self.samples)}
+
+
+def _read_samples(fd: int, start: int, end: int) -> list[tuple[int, bytes]]:
+    return [(offset, os.pread(fd, size, offset)) for offset, size in sample_spans(start, end)]
+
+
+def _digest_samples(blocks: list[tuple[int, bytes]], tensor_starts: list[int] = ()
+                    ) -> tuple[str, tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """(the digest of all sampled bytes, each piece's short digest, each piece's (offset, bytes)): each block cut
+    where a tensor starts (`tensor_starts`, sorted), the last piece of a block taking what is left after
+    SEGMENTS_PER_BLOCK - 1 cuts."""
+    import bisect
+
+    whole, digests, spans = hashlib.sha256(), [], []
+    for offset, block in blocks:
+        whole.update(block)
+        end = offset + len(block)
+        cuts = tensor_starts[bisect.bisect_right(tensor_starts, offset):bisect.bisect_left(tensor_starts, end)]
+        edges = [offset, *cuts[:SEGMENTS_PER_BLOCK - 1], end]
+        for a, b in zip(edges, edges[1:]):
+            digests.append(hashlib.sha256(block[a - offset:b - offset]).hexdigest()[:8])
+            spans.append((a, b - a))
+    return whole.hexdigest()[:16], tuple(digests), tuple(spans)
 
 
 def _refuse_duplicates(path: str):
@@ -184,13 +224,13 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
     return header, data_start
 
 
-def _read_header(path: str) -> tuple[dict, int, FileIdentity, str]:
+def _read_header(path: str) -> tuple[dict, int, FileIdentity, FileFingerprint]:
     """(header, data start, the file's identity, its fingerprint), from one open descriptor."""
     return _parse_fetched(path, _fetch_header(path))
 
 
-def _fetch_header(path: str) -> tuple[os.stat_result, int, bytes, str]:
-    """The reads of `_read_header`: the file's status, its header's length and bytes, and its data samples' digest."""
+def _fetch_header(path: str) -> tuple[os.stat_result, int, bytes, list]:
+    """The reads of `_read_header`: the file's status, its header's length and bytes, and its sampled data blocks."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as e:
@@ -211,18 +251,20 @@ def _fetch_header(path: str) -> tuple[os.stat_result, int, bytes, str]:
                 f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {file_size})"
             )
         raw = os.pread(fd, header_len, 8)
-        sample, _ = _sample_digest(fd, 8 + header_len, file_size)
-        return st, header_len, raw, sample
+        return st, header_len, raw, _read_samples(fd, 8 + header_len, file_size)
     finally:
         os.close(fd)
 
 
-def _parse_fetched(path: str, fetched: tuple[os.stat_result, int, bytes, str]) -> tuple[dict, int, FileIdentity, str]:
-    st, header_len, raw, sample = fetched
+def _parse_fetched(path: str, fetched: tuple[os.stat_result, int, bytes, list]
+                   ) -> tuple[dict, int, FileIdentity, FileFingerprint]:
+    st, header_len, raw, blocks = fetched
     header = _parse_header(path, raw)
     data_start = 8 + header_len
     _check_entries(path, header, st.st_size - data_start, st.st_size, data_start)
-    fingerprint = f"size {st.st_size}, header {hashlib.sha256(raw).hexdigest()[:16]}, data {sample[:16]}"
+    tensor_starts = sorted(data_start + info["data_offsets"][0] for key, info in header.items() if key != "__metadata__")
+    fingerprint = FileFingerprint(st.st_size, hashlib.sha256(raw).hexdigest()[:16],
+                                  *_digest_samples(blocks, tensor_starts), *known_sha256(path, st))
     return header, data_start, FileIdentity.of(st), fingerprint
 
 
@@ -334,6 +376,26 @@ def _inside(folder: str, path: str) -> bool:
     return os.path.commonpath([folder, os.path.abspath(path)]) == folder
 
 
+def looks_like_a_path(name: str) -> bool:
+    """Whether `from_pretrained`'s argument names a local folder rather than a hub repo id: absolute, `./` or
+    `../`, or under a folder that exists here."""
+    return (os.path.isabs(name) or name in (".", "..") or name.startswith(("./", "../", "~"))
+            or bool(os.path.dirname(name)) and os.path.isdir(os.path.dirname(name)))
+
+
+def missing_folder(name, error: BaseException) -> OSError | None:
+    """The error to raise instead of `error` when `name` looks like a local path that does not exist: transformers
+    takes it for a hub repo id and says "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    if name is None or not isinstance(error, (OSError, ValueError)):
+        return None
+    name = os.fspath(name)
+    if not isinstance(name, str) or os.path.exists(name) or not looks_like_a_path(name):
+        return None
+    missing = OSError(f"no such folder: {name}")
+    missing.__cause__ = error
+    return missing
+
+
 def check_files(folder: str | None, files: list[str]) -> None:
     """Every checkpoint file must exist and lie inside the checkpoint folder (an index can name any path)."""
     for path in files:
@@ -358,10 +420,15 @@ def _open_pickled(path: str, weights_only: bool, not_tensors: dict | None = None
     except FileNotFoundError as e:
         raise CheckpointError(f"checkpoint file not found: {path}") from e
     except Exception as e:
-        unsafe = weights_only and ("Weights only load failed" in str(e) or "weights_only" in str(e))
-        hint = (" It may execute code when unpickled; pass `weights_only=False` only if you trust its source."
-                if unsafe else "")
-        raise CheckpointError(f"{path}: cannot load pickled checkpoint with weights_only={weights_only}: {e}.{hint}") from e
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # torch's message carries terminal colour codes
+        if weights_only and "Weights only load failed" in text:
+            # torch's own advice is to allow-list what the pickle names (`exec`, `posix.system`): not ours to give
+            names = re.findall(r"GLOBAL ([\w.]+)", text)
+            named = f" (its pickle names `{names[0]}`)" if names else ""
+            raise CheckpointError(f"{path}: this pickled checkpoint needs code execution to load{named}, which "
+                                  "weights_only=True refuses. Load it with weights_only=False only if it comes from a "
+                                  "trusted source; better, convert it to safetensors") from e
+        raise CheckpointError(f"{path}: cannot load pickled checkpoint with weights_only={weights_only}: {text}") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: a pickled checkpoint must hold a dict of tensors, found {type(state).__name__}")
     entries = {}
@@ -377,14 +444,61 @@ def _open_pickled(path: str, weights_only: bool, not_tensors: dict | None = None
     return entries
 
 
-def _pickled_fingerprint(path: str) -> tuple[FileIdentity, str, int]:
+def _pickled_fingerprint(path: str) -> tuple[FileIdentity, FileFingerprint, int]:
     fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
-        sample, read = _sample_digest(fd, 0, st.st_size)
-        return FileIdentity.of(st), f"size {st.st_size}, data {sample[:16]}", read
+        blocks = _read_samples(fd, 0, st.st_size)
+        return (FileIdentity.of(st), FileFingerprint(st.st_size, None, *_digest_samples(blocks), *known_sha256(path, st)),
+                sum(len(b) for _, b in blocks))
     finally:
         os.close(fd)
+
+
+# -- exact digests known without reading the files ---------------------------------------------------------------------
+
+MANIFEST = "SHA256SUMS"  # `sha256sum` lines ("<hex>  <name>") for the folder's files: `hf-zero3-loader digest` writes it
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def known_sha256(path: str, st: os.stat_result) -> tuple[str | None, str]:
+    """(the sha256 of the whole file, how it is known), or (None, "") where it is not known without reading the file:
+    - the Hugging Face hub cache keeps each LFS file once, as `blobs/<its sha256>`, and a snapshot's file links to it;
+    - a folder may carry a `SHA256SUMS` manifest (`hf-zero3-loader digest`), trusted for a file not modified since
+      the manifest was written (a file newer than it is not taken from it)."""
+    real = os.path.realpath(path)
+    if os.path.basename(os.path.dirname(real)) == "blobs" and _SHA256.fullmatch(os.path.basename(real)):
+        return os.path.basename(real), "hub cache blob name"
+    manifest, written_ns = read_manifest(os.path.dirname(os.path.abspath(path)))
+    sha = manifest.get(os.path.basename(path))
+    if sha is not None and st.st_mtime_ns <= written_ns:
+        return sha, MANIFEST
+    return None, ""
+
+
+def read_manifest(folder: str) -> tuple[dict[str, str], int]:
+    """A folder's `SHA256SUMS` as {file name: sha256} and the time it was written (ns); ({}, 0) when it has none."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        written_ns = os.stat(path).st_mtime_ns
+    except OSError:
+        return {}, 0
+    return _parsed_manifest(path, written_ns), written_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_manifest(path: str, written_ns: int) -> dict[str, str]:
+    out = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                digest_hex, _, name = line.rstrip("\n").partition(" ")
+                name = name[1:] if name[:1] in (" ", "*") else name  # text or binary mode marker
+                if _SHA256.fullmatch(digest_hex.lower()) and name and "/" not in name:
+                    out[name] = digest_hex.lower()
+    except (OSError, UnicodeDecodeError):
+        return {}
+    return out
 
 
 STATE_DICT = "state_dict"  # the "file" of a checkpoint given as `from_pretrained(None, state_dict=...)`

@@ -367,6 +367,32 @@ def _bench(args, rest) -> int:
     return subprocess.call([sys.executable, script, *rest])
 
 
+def add_digest_parser(sub) -> None:
+    digest = sub.add_parser("digest", help="write SHA256SUMS for a local checkpoint folder: loads of it then compare "
+                                           "whole-file digests across ranks")
+    digest.add_argument("checkpoint", help="a local checkpoint folder")
+    digest.add_argument("--threads", type=int, default=4, help="files hashed at once (default 4)")
+
+
+def _digest(args) -> int:
+    """`hf-zero3-loader digest FOLDER`: the sha256 of every file of the folder, as `SHA256SUMS` (the format of
+    `sha256sum`); a load whose ranks all find it compares these digests (digests.py). Digests this machine computed
+    before for the same files are reused."""
+    import time
+
+    from .digests import write_manifest
+
+    start = time.perf_counter()
+    try:
+        path, sums = write_manifest(args.checkpoint, threads=args.threads)
+    except (OSError, LoaderError) as e:
+        print(f"hf-zero3-loader digest: error: {e}", file=sys.stderr)
+        return 2
+    nbytes = sum(os.path.getsize(os.path.join(args.checkpoint, name)) for name in sums)
+    print(f"wrote {path}: {len(sums)} files, {nbytes / 2**30:.2f} GiB, in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="hf-zero3-loader")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -419,7 +445,10 @@ def main(argv=None) -> int:
     verify.add_argument("--json", action="store_true", help="print the report (or the error) as JSON")
     add_location_arguments(verify)
     sub.add_parser("bench", help="run scripts/bench_load.py (arguments are passed through)")
+    add_digest_parser(sub)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "digest":
+        return _digest(args)
     if args.command == "plan":
         if problem := _checkpoint_problem(args):
             print(f"hf-zero3-loader plan: error: {problem}", file=sys.stderr)

@@ -22,9 +22,10 @@ from . import _deepspeed_private as ds_private
 from . import _transformers_private as hf_private
 from . import log
 from .agreement import AgreedFailure, Agreement
-from .checkpoint import check_index, find_index
+from .checkpoint import check_index, find_index, missing_folder
 from .deepspeed_setup import (check_supported, find_deepspeed_setup, local_device, nvme_param_offload,
                               resolve_dtype, unpartitioned_reason)
+from .digests import check_mode as check_verify_mode
 from .errors import ConfigError
 from .expert_parallel import create_groups, is_requested, refuse_other_parallelism, request_from
 from .gc_pause import paused_gc
@@ -90,6 +91,7 @@ def from_pretrained(
     stream_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     strict_dtype: bool = False,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    verify_checkpoint: str = "sampled",
     **kwargs: Any,
 ):
     """Load `model_class` (an Auto class or a concrete model class) for DeepSpeed.
@@ -129,6 +131,9 @@ def from_pretrained(
         staging_bytes: partitions on an accelerator are filled through one host buffer of this many bytes (default
             64 MiB, pinned on CUDA): reads into it overlap the copies to the device, and host memory grows by this
             much rather than by the rank's share of the checkpoint. Host partitions are read in place.
+        verify_checkpoint: how ranks prove they load the same checkpoint: "sampled" (each file's size, header and a
+            few sampled blocks, and its sha256 where the hub cache or a `SHA256SUMS` manifest tells it) or "full"
+            (every file hashed whole, once per node, the work split over the node's ranks and cached on the node).
     """
     start = time.perf_counter()
     try:
@@ -150,7 +155,8 @@ def from_pretrained(
                             init_context=init_context, ep_size=ep_size, read_threads=read_threads,
                             budget_bytes=missing_init_budget_bytes, allow_suspicious=allow_suspicious_missing_keys,
                             keep_in_fp32=keep_in_fp32, load_from=load_from, chunk_bytes=stream_chunk_bytes,
-                            strict_dtype=strict_dtype, staging_bytes=staging_bytes)
+                            strict_dtype=strict_dtype, staging_bytes=staging_bytes,
+                            verify_checkpoint=verify_checkpoint)
     finally:
         agreement.close()
     target = model[0] if isinstance(model, tuple) else model
@@ -216,14 +222,21 @@ def _load_without_zero3(model_class, path, model_args, kwargs, setup, ep_size, s
         kwargs["dtype"] = resolve_dtype(setup, kwargs.get("dtype", kwargs.pop("torch_dtype", None)), strict_dtype)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         kwargs.setdefault("device_map", {"": local_device()})
-    with hf_private.hidden_hf_zero3():
-        model = model_class.from_pretrained(path, *model_args, **kwargs)
+    try:
+        with hf_private.hidden_hf_zero3():
+            model = model_class.from_pretrained(path, *model_args, **kwargs)
+    except Exception as e:
+        missing = missing_folder(path, e)  # transformers takes a path that is not there for a hub repo id
+        if missing is None:
+            raise
+        raise missing from e
     attach(model, LoadReport("meta", reason, seconds=time.perf_counter() - start))
     return model
 
 
 def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init_context, ep_size, read_threads,
-                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes, strict_dtype, staging_bytes):
+                budget_bytes, allow_suspicious, keep_in_fp32, load_from, chunk_bytes, strict_dtype, staging_bytes,
+                verify_checkpoint="sampled"):
     import torch.distributed as dist
 
     error, ep_request, from_state_dict = None, None, False
@@ -248,6 +261,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 64:
             raise ConfigError(f"stream_chunk_bytes must be an integer of at least 64, got {chunk_bytes!r}")
         check_budget(staging_bytes)
+        check_verify_mode(verify_checkpoint)
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
         if ep_request is not None and nvme_param_offload(setup.config) is not None:
             raise ConfigError("expert parallelism with NVMe parameter offload (offload_param.device='nvme') does not "
@@ -270,7 +284,9 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             # the missing-key init's gathers, wave by wave, and whether a suspicious load goes ahead at all
             "missing_init_budget_bytes": budget_bytes, "allow_suspicious_missing_keys": bool(allow_suspicious),
             # the partitions' dtype: the engine's, or the call's own where the config leaves it to "auto"
-            "dtype the parameters are loaded in": str(kwargs.get("dtype"))}
+            "dtype the parameters are loaded in": str(kwargs.get("dtype")),
+            # "full" adds agreement points (each node hashes its copy)
+            "verify_checkpoint": verify_checkpoint}
     agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
                     error_type=ConfigError)
     expert_parallel = None
@@ -288,7 +304,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         return _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel,
                              stream, original_path, init_context=init_context, read_threads=read_threads,
                              budget_bytes=budget_bytes, allow_suspicious=allow_suspicious, keep_in_fp32=keep_in_fp32,
-                             staging_bytes=staging_bytes)
+                             staging_bytes=staging_bytes, verify_checkpoint=verify_checkpoint)
     finally:
         if path != original_path and os.path.isdir(str(path)):  # the stub folder of a rank without the files
             import shutil
@@ -298,7 +314,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
 
 def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_request, expert_parallel, stream,
                   original_path, *, init_context, read_threads, budget_bytes, allow_suspicious, keep_in_fp32,
-                  staging_bytes=DEFAULT_STAGING_BYTES):
+                  staging_bytes=DEFAULT_STAGING_BYTES, verify_checkpoint="sampled"):
     import torch.distributed as dist
 
     reason = f"ZeRO-3 ({setup.found_via})"
@@ -310,7 +326,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     if read_threads is None:
         read_threads = default_io_threads()
     hooks = Zero3Load(setup, agreement, report, budget_bytes, read_threads, allow_suspicious, keep_in_fp32,
-                       expert_parallel, stream, staging_bytes)
+                       expert_parallel, stream, staging_bytes, verify_checkpoint)
     error, model, outer = None, None, None
     try:
         with ds_private.callers_zero_init_paused() as outer, hf_private.hidden_hf_zero3(), \
@@ -319,7 +335,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     except AgreedFailure:
         raise
     except Exception as e:
-        error = e
+        error = missing_folder(path, e) or e  # transformers takes a path that is not there for a hub repo id
     fallback = None  # why this load is transformers' own ZeRO-3 path after all
     if error is not None and not hooks.reached_load and init_context == "auto" and "meta" in str(error).lower():
         fallback = f"the model cannot be built on meta ({type(error).__name__}: {error})"
@@ -370,7 +386,7 @@ def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement
         with hf_private.hf_zero3_config(setup.config):  # this load's config, held for its whole duration
             model = model_class.from_pretrained(path, *model_args, **kwargs)
     except Exception as e:
-        error = e
+        error = missing_folder(path, e) or e
     agreement.check("finish load (zero.Init)", error)
     import torch.distributed as dist
 

@@ -38,6 +38,7 @@ class LoadReport:
     stream: dict | None = None  # who read the files, who streamed to whom, bytes sent and received
     staging: dict | None = None  # partitions on an accelerator: the host staging buffer, pieces, bytes copied
     nvme: dict | None = None  # NVMe offload: partitions and bytes swapped out, the read's waves
+    verify: dict | None = None  # verify_checkpoint="full": bytes this rank hashed, files the node had hashed before
     leaf_modules: list = field(default_factory=list)  # experts modules marked as ZeRO-3 leaf modules (leaf_modules.py)
     expert_parallel_layout: object = None  # expert_parallel.ExpertParallelLayout: what a save writes back
 
@@ -78,6 +79,8 @@ class LoadReport:
             out["staging"] = self.staging
         if self.nvme is not None:
             out["nvme"] = self.nvme
+        if self.verify is not None:
+            out["verify"] = self.verify
         if self.leaf_modules:
             out["leaf_modules"] = self.leaf_modules
         return out

@@ -23,9 +23,10 @@ from . import _transformers_private as hf_private
 from . import log
 from ._deepspeed_private import partitions_in_memory
 from .agreement import Agreement, Worker, digest
-from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, check_files, check_weight_map, checkpoint_from_state_dict,
-                         open_checkpoint)
+from .checkpoint import (STATE_DICT, STATE_DICT_VALUES, FileFingerprint, check_files, check_weight_map,
+                         checkpoint_from_state_dict, open_checkpoint)
 from .deepspeed_setup import local_device
+from .digests import full_check
 from .errors import CheckpointError, ConfigError, ConversionMismatchError, LoaderError
 from .expert_parallel import ExpertParallelLayout
 from .leaf_modules import mark_experts_as_leaf_modules
@@ -36,7 +37,7 @@ from .planner.plan import (WORLD, LoadPlan, PartitionGroup, check_plan_is_exact,
 from .reader import FileReader, checked_reads, node_reads_whole_files, run_reads
 from .report import LoadReport
 from .staging import DEFAULT_STAGING_BYTES, run_staged_reads
-from .streaming import Streamer, checkpoint_from_bundle, stream_bytes
+from .streaming import Streamer, checkpoint_from_bundle, node_id, stream_bytes
 from .zero3 import Zero3Partitioner
 
 
@@ -75,8 +76,9 @@ class Zero3Load:
 
     def __init__(self, setup, agreement: Agreement, report: LoadReport, budget_bytes: int, read_threads: int,
                  allow_suspicious_missing: bool = False, keep_in_fp32: bool = False, expert_parallel=None,
-                 stream=None, staging_bytes: int = DEFAULT_STAGING_BYTES):
+                 stream=None, staging_bytes: int = DEFAULT_STAGING_BYTES, verify_checkpoint: str = "sampled"):
         self.staging_bytes = staging_bytes
+        self.verify_checkpoint = verify_checkpoint  # "full": every file hashed whole (once per node) and compared
         self.allow_suspicious_missing = allow_suspicious_missing
         self.stream = stream  # StreamContext when some ranks receive their bytes from another rank
         self.expert_parallel = expert_parallel  # (ExpertParallelRequest, ExpertParallelGroups) or None
@@ -123,9 +125,14 @@ class Zero3Load:
         with self.report.phase("plan"):
             checkpoint = (checkpoint_from_state_dict(state_dict, streamed=self.stream is not None)
                           if state_dict is not None else self._open_checkpoint(checkpoint_files, load_config))
+        if self.verify_checkpoint == "full" and state_dict is None:
+            with self.report.phase("verify"):  # every file's sha256, each node hashing its copy once
+                self.agreement.check("open the checkpoint")
+                self.report.verify = full_check(checkpoint, self.agreement, node_id(), self.read_threads)
         with self.report.phase("agree"):  # every rank proves it loads the same checkpoint before planning
             self.agreement.check("identify the checkpoint", same=checkpoint_identity(model, load_config, checkpoint),
-                                 hint=SAME_COPY, hints=IDENTITY_HINTS)
+                                 hint=SAME_COPY, hints=IDENTITY_HINTS, same_where_known=exact_identity(checkpoint),
+                                 explain=functools.partial(explain_file_difference, checkpoint))
         with self.report.phase("plan"):
             partitioner = self.partitioner = Zero3Partitioner(self.setup.config)
             world = partitioner.world_group()
@@ -434,8 +441,50 @@ def checkpoint_identity(model, load_config, checkpoint) -> dict:
     return {"the model class": type(model).__qualname__, CONFIG: digest(config),
             "the list of files": digest(sorted(checkpoint.fingerprints)),
             "the index": digest(weight_map) if weight_map else "none",
-            **{(name if name in (STATE_DICT, STATE_DICT_VALUES) else f"file {name}"): value
+            **{(name if name in (STATE_DICT, STATE_DICT_VALUES) else f"file {name}"):
+               value.compared() if isinstance(value, FileFingerprint) else value
                for name, value in sorted(checkpoint.fingerprints.items())}}
+
+
+def exact_identity(checkpoint) -> dict | None:
+    """Each file's sha256, where this rank knows every file's (`checkpoint.known_sha256`, or a full check): ranks
+    that know them compare them, so copies that differ anywhere fail, not only in the bytes sampled."""
+    fingerprints = [(n, f) for n, f in sorted(checkpoint.fingerprints.items()) if isinstance(f, FileFingerprint)]
+    if not fingerprints or not all(f.sha256 for _, f in fingerprints):
+        return None
+    return {f"file {name}": f.sha256 for name, f in fingerprints}
+
+
+def explain_file_difference(checkpoint, label: str, theirs, mine, their_rank: int, my_rank: int) -> str | None:
+    """How two ranks' copies of a file differ, for the message: the first tensor whose sampled bytes differ (the
+    headers being equal, both copies lay their tensors out alike), or their sha256s."""
+    name = label.removeprefix("file ")
+    if name == label:
+        return None
+    if isinstance(theirs, str) and isinstance(mine, str):  # sha256s (`exact_identity`)
+        return (f"sha256 {theirs[:16]}... on rank {their_rank}, {mine[:16]}... on rank {my_rank}: the copies differ "
+                "in bytes the sampled check does not read")
+    if not (isinstance(theirs, dict) and isinstance(mine, dict)):
+        return None
+
+    def summary(v: dict) -> str:
+        header = f", header {v['header']}" if v["header"] else ""
+        return f"size {v['size']}{header}, data {v['data']}"
+
+    both = f"{summary(theirs)} on rank {their_rank}, {summary(mine)} on rank {my_rank}"
+    fingerprint = checkpoint.fingerprints.get(name)
+    if ((theirs["size"], theirs["header"]) != (mine["size"], mine["header"]) or not mine["header"]
+            or not isinstance(fingerprint, FileFingerprint) or len(theirs["samples"]) != len(mine["samples"])):
+        return both
+    differ = next(i for i, (a, b) in enumerate(zip(theirs["samples"], mine["samples"])) if a != b)
+    start, size = fingerprint.sample_starts[differ]
+    keys = sorted((e.data_start, e.key) for e in checkpoint.entries.values() if os.path.basename(e.file) == name
+                  and e.data_start < start + size and e.data_start + e.nbytes > start)
+    if not keys:
+        return both
+    named = (f"tensor {keys[0][1]!r} holds" if len(keys) == 1 else
+             f"tensors {', '.join(repr(k) for _, k in keys[:3])}{' ...' if len(keys) > 3 else ''} hold")
+    return f"{named} other values (the bytes sampled at offset {start} differ); {both}"
 
 
 def _zero3_tied_params_are_equal(source: torch.Tensor, target: torch.Tensor) -> bool:

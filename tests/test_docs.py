@@ -98,7 +98,7 @@ def cli_help() -> dict[str, str]:
     script = (
         "import contextlib, io, sys\n"
         "from hf_zero3_loader.cli import main\n"
-        "for argv in ([], ['plan'], ['verify'], ['bench'], ['version']):\n"
+        "for argv in ([], ['plan'], ['verify'], ['bench'], ['digest'], ['version']):\n"
         "    out = io.StringIO()\n"
         "    args = ['--version'] if argv == ['version'] else [*argv, '--help']\n"
         "    with contextlib.redirect_stdout(out):\n"
@@ -126,7 +126,7 @@ def _flags_shown() -> list[tuple[str, str, str]]:
         spans = [line for block in CODE_BLOCK.findall(text) for line in block.splitlines()]
         spans += [span.strip("`") for span in INLINE_CODE.findall(CODE_BLOCK.sub("", text))]
         for span in spans:
-            for match in re.finditer(r"hf-zero3-loader(?:\s+(plan|verify|bench)\b)?([^|#]*)", span):
+            for match in re.finditer(r"hf-zero3-loader(?:\s+(plan|verify|bench|digest)\b)?([^|#]*)", span):
                 command = match[1] or ""
                 shown += [(_rel(page), command, flag) for flag in FLAG.findall(match[2])]
     section = re.search(r"^## Command line$(.*?)^## ", README.read_text(), re.S | re.M)

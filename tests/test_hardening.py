@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, rewrite_checkpoint
 from tests.conftest import ROOT, python_path, run_ranks, run_torchrun
 
 LIVENESS_S = 10  # the tests' liveness bound (default 30 s); detection must come within it plus a margin
@@ -55,14 +55,19 @@ def copies(workdir):
         config["rms_norm_eps"] = 1e-5
         with open(os.path.join(other_config, "config.json"), "w") as f:
             json.dump(config, f)
-    return {"base": base, "values": other_values, "split": other_split, "config": other_config}
+    one_tensor = rewrite_checkpoint(base, os.path.join(d, "one_tensor"), lambda t: {
+        **t, "model.norm.weight": t["model.norm.weight"] + 1})  # a small tensor the sampled blocks cover
+    return {"base": base, "values": other_values, "split": other_split, "config": other_config,
+            "one_tensor": one_tensor}
 
 
 def test_ranks_with_different_copies_or_models_fail_alike_naming_what_differs(copies, workdir):
     """Different files, or the same files built into different models (a config argument, a model class, on one
     rank only: each rank would partition other parameters, and hang later in training) or resolved differently."""
     config = "the config (config.json with this call's config arguments) differs"
-    expectations = {"values": "file model.safetensors differs", "split": "the list of files differs",
+    expectations = {"values": "file model.safetensors differs (tensor 'lm_head.weight' holds other values",
+                    "one_tensor": "file model.safetensors differs (tensor 'model.norm.weight' holds other values",
+                    "split": "the list of files differs",
                     "config": config, "config_argument": config, "model_class": "the model class differs",
                     "key_mapping": "which checkpoint keys load into which tensors (key_mapping, transformers' "
                                    "conversions) differs"}
@@ -84,6 +89,129 @@ def test_ranks_with_different_copies_or_models_fail_alike_naming_what_differs(co
         assert error["seconds"] < 60
 
 
+# -- copies that differ in a few values: exact digests ------------------------------------------------------------
+
+def _flip_unsampled_byte(src: str, dst: str) -> str:
+    """A copy of `src` with one byte changed in a small tensor no sampled block covers: one value a little off."""
+    from hf_zero3_loader.checkpoint import open_checkpoint
+
+    if not os.path.exists(dst):
+        shutil.copytree(src, dst)
+        path = os.path.join(dst, "model.safetensors")
+        checkpoint = open_checkpoint([path])
+        spans = checkpoint.fingerprints["model.safetensors"].sample_starts
+        entry = min((e for e in checkpoint.entries.values() if not any(
+            e.data_start < start + size and e.data_start + e.nbytes > start for start, size in spans)),
+            key=lambda e: e.nbytes)
+        with open(path, "r+b") as f:
+            f.seek(entry.data_start)
+            low = f.read(1)
+            f.seek(entry.data_start)
+            f.write(bytes([low[0] ^ 1]))  # the lowest mantissa bit of its first element
+    return dst
+
+
+def _hub_cache(root: str, folder: str) -> str:
+    """`folder` laid out as the Hugging Face hub cache holds a download: `models--org--tiny/blobs/<digest>` (LFS files
+    named by their sha256, others by their git blob id), `snapshots/<revision>/<name>` linking to them, `refs/main`.
+    Returns the snapshot folder."""
+    import hashlib
+
+    repo, revision = os.path.join(root, "models--org--tiny"), "1" * 40
+    snapshot = os.path.join(repo, "snapshots", revision)
+    if os.path.exists(snapshot):
+        return snapshot
+    os.makedirs(os.path.join(repo, "blobs"))
+    os.makedirs(snapshot)
+    os.makedirs(os.path.join(repo, "refs"))
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write(revision)
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            data = f.read()
+        blob = (hashlib.sha256(data).hexdigest() if name.endswith(".safetensors")
+                else hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+        with open(os.path.join(repo, "blobs", blob), "wb") as f:
+            f.write(data)
+        os.symlink(os.path.join("..", "..", "blobs", blob), os.path.join(snapshot, name))
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def exact(workdir):
+    """Copies whose tensors differ in one value no sampled block reads, in hub caches, checked in full, or with the
+    manifests `hf-zero3-loader digest` writes; and identical ones. One launch for every case."""
+    from hf_zero3_loader.cli import main as cli
+
+    base = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
+    d = os.path.join(workdir, "exact")
+    copies = {name: (shutil.copytree(base, os.path.join(d, name)) if not os.path.exists(os.path.join(d, name))
+                     else os.path.join(d, name)) for name in ("full", "digested", "cached")}
+    off = {name: _flip_unsampled_byte(base, os.path.join(d, f"{name}_off")) for name in ("full", "digested", "hub")}
+    for folder in (copies["digested"], off["digested"]):
+        assert cli(["digest", folder]) == 0
+    hub = {name: _hub_cache(os.path.join(d, f"cache_{name}"), folder)
+           for name, folder in (("a", base), ("a_again", base), ("off", off["hub"]))}
+    full = {"verify_checkpoint": "full"}
+    cases = {  # name: (rank 0's folder, rank 1's, kwargs)
+        "hub_differ": (hub["a"], hub["off"], {}), "hub_same": (hub["a"], hub["a_again"], {}),
+        "full_differ": (copies["full"], off["full"], full), "manifest_differ": (copies["digested"], off["digested"], {}),
+        "full_first": (copies["cached"], copies["cached"], full), "full_cached": (copies["cached"], copies["cached"], full),
+    }
+    runs = [{"name": name, "path": a, "path_by_rank": {"1": b}, "dtype": "float32", "kwargs": kwargs,
+             "out": os.path.join(workdir, f"exact_{name}.pt")} for name, (a, b, kwargs) in cases.items()]
+    cache = os.environ.get("HF_ZERO3_LOADER_CACHE")
+    os.environ["HF_ZERO3_LOADER_CACHE"] = os.path.join(d, "digest_cache")  # the node's cache of digests, fresh
+    try:
+        outcomes = run_ranks(2, runs, workdir)
+    finally:
+        if cache is None:
+            del os.environ["HF_ZERO3_LOADER_CACHE"]
+        else:
+            os.environ["HF_ZERO3_LOADER_CACHE"] = cache
+    return {"cases": cases, "outs": {run["name"]: run["out"] for run in runs}, **dict(zip(cases, outcomes))}
+
+
+def test_ranks_on_hub_cache_copies_that_differ_anywhere_fail_naming_the_file(exact):
+    """The hub cache names each weight file by its sha256: ranks compare those, so copies that differ in one value
+    the sampled blocks miss fail alike on every rank, naming the file; identical copies load as the plain load."""
+    error = _same_error_on(exact["hub_differ"], [0, 1])
+    assert error["type"] == "CheckpointError", error
+    assert "are not loading the same checkpoint: file model.safetensors differs (sha256 " in error["message"], error
+    assert "the copies differ in bytes the sampled check does not read" in error["message"], error
+    ranks = exact["hub_same"]
+    assert not any("error" in r for r in ranks), [r.get("error") for r in ranks]
+    plain = _plain(exact["cases"]["hub_same"][0])
+    state = torch.load(exact["outs"]["hub_same"], weights_only=False)["rank0"]["state"]
+    for key, want in plain.items():
+        assert torch.equal(state[key], want), key
+
+
+def test_a_full_check_or_a_digest_manifest_finds_copies_that_differ_in_a_few_values(exact):
+    """Copies that differ in one value no sampled block reads: with verify_checkpoint="full", or with the SHA256SUMS
+    `hf-zero3-loader digest` wrote in each copy, every rank fails alike, naming the file."""
+    for name in ("full_differ", "manifest_differ"):
+        error = _same_error_on(exact[name], [0, 1])
+        assert error["type"] == "CheckpointError", (name, error)
+        assert "file model.safetensors differs (sha256 " in error["message"], (name, error)
+
+
+def test_a_full_check_reads_each_copy_once_per_node_and_caches_its_digests(exact):
+    """Two ranks on one node loading one folder with verify_checkpoint="full": the file is hashed once between them,
+    and the next load reads nothing to check it (the node's cache, keyed by the file's identity)."""
+    size = os.path.getsize(os.path.join(exact["cases"]["full_first"][0], "model.safetensors"))
+    first, again = exact["full_first"], exact["full_cached"]
+    for ranks in (first, again):
+        assert not any("error" in r for r in ranks), [r.get("error") for r in ranks]
+    assert sum(r["report"]["verify"]["hashed_bytes"] for r in first) == size, [r["report"]["verify"] for r in first]
+    assert all(r["report"]["verify"] == {"hashed_bytes": 0, "cached_files": 1} for r in again), \
+        [r["report"]["verify"] for r in again]
+    plain = _plain(exact["cases"]["full_cached"][0])
+    state = torch.load(exact["outs"]["full_cached"], weights_only=False)["rank0"]["state"]
+    for key, want in plain.items():
+        assert torch.equal(state[key], want), key
+
+
 # An argument one rank passes alone either changes nothing (this rank's threads, buffers, timeouts, the kernels it
 # computes with, what it reports) or fails the load alike on every rank: never a load that differs from the plain one.
 ARGUMENTS_OF_ONE_RANK = {
@@ -95,6 +223,7 @@ ARGUMENTS_OF_ONE_RANK = {
     "strict_dtype": (True, None),  # it refuses that dtype: on this rank first, then on every rank
     "allow_suspicious_missing_keys": (True, "allow_suspicious_missing_keys differs"),
     "load_from": ("read", "load_from differs"),
+    "verify_checkpoint": ("full", "verify_checkpoint differs"),  # a full check adds agreement points
 }
 
 
