@@ -7,6 +7,8 @@ time, for dtype, shape and bits. Exit status 0 when all are equal. Missing param
 (uninitialised memory in the plain load; see `missing_init.UnwrittenWatch`) are checked to be zeros and listed apart.
 Parameters the plain load keeps in another float dtype (`_keep_in_fp32_modules`) load in the engine's dtype unless
 `keep_in_fp32` is passed (the documented default): they are compared with the plain values cast to it, and listed.
+The ranks' output goes to a log file; a failure is reported as one line per cause (a rank's error names the rank),
+with the log file's name.
 """
 
 from __future__ import annotations
