@@ -193,6 +193,7 @@ def test_plan_prints_sizes_in_units_that_suit_them_and_words_a_cpu_run_so(workdi
     assert ("partitions on the CPU" in default) == (default_device() == "cpu"), default
 
 
+@pytest.mark.sweep
 def test_verify_compares_a_router_the_plain_load_keeps_in_fp32_in_the_engines_dtype(workdir):
     """GLM-4.5 MoE's router, which transformers 5.24 keeps in fp32 (`_keep_in_fp32_modules_strict`; 5.23 does not):
     loaded in the engine's dtype by default (as zero.Init casts it), it equals the plain values cast, and is listed;
@@ -210,6 +211,7 @@ def test_verify_compares_a_router_the_plain_load_keeps_in_fp32_in_the_engines_dt
         assert not (kept and report["in_engine_dtype"]) and (kept or bool(routers) == kept_by_plain), report
 
 
+@pytest.mark.sweep
 def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_autoep_preset(workdir):
     """MiniMax-M2 has no DeepSpeed AutoEP preset; a config naming one of the same structure gives it EP in `plan`
     (its `--ds-config`) and in `verify` (`--expert-parallel`), as in a load. Without it, `plan` says how to name it."""
@@ -234,6 +236,7 @@ def test_plan_and_verify_take_the_structure_named_for_a_model_type_without_an_au
     assert report["ok"] and report["ep_size"] == 2 and not report["problems"], report
 
 
+@pytest.mark.sweep
 def test_plan_and_verify_take_expert_parallelism_over_one_module_per_expert(workdir):
     """DeepSeek-V3 with its hub code (`--trust-remote-code`; one module per expert): `plan` gives each rank its local
     experts' share, and `verify` finds AutoEP's stacked expert tensors equal to the plain load's expert modules."""
@@ -252,6 +255,7 @@ def test_plan_and_verify_take_expert_parallelism_over_one_module_per_expert(work
     assert report["ok"] and report["ep_size"] == 2 and not report["problems"] and report["compared"] >= 30, report
 
 
+@pytest.mark.sweep
 def test_plan_and_verify_pick_a_vision_language_models_own_auto_class(workdir):
     """A Qwen3-VL-MoE checkpoint (its config names `Qwen3VLMoeForConditionalGeneration`, which no causal-LM class
     builds): without --model-class, `plan` and `verify` load it through `AutoModelForImageTextToText`, and take EP
@@ -294,6 +298,7 @@ def test_plan_takes_a_dense_model_under_a_config_with_expert_parallelism_as_the_
         plan_report(path, 2, ep_size=2)
 
 
+@pytest.mark.sweep
 def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_them(workdir):
     """A plain load leaves uninitialised memory in them: nothing to compare, so they are checked to be zeros instead
     of reported as mismatches."""
@@ -308,6 +313,7 @@ def test_verify_checks_params_the_models_init_never_writes_are_zeros_and_lists_t
     assert len(listed) == 4 and all(TALKER_EXPERTS.match(name) for name in listed), listed
 
 
+@pytest.mark.sweep
 def test_plan_and_verify_take_the_location_keywords_of_from_pretrained(workdir, monkeypatch):
     """--subfolder, --cache-dir, --variant, --no-safetensors, --trust-remote-code: the files and the code
     `from_pretrained(...)` with the same keywords would use (a hub repo with its own modeling code, a model in a

@@ -57,6 +57,7 @@ def test_trl_sft_trainer_with_a_model_path_trains_the_same_with_the_import(workd
                 assert a.read() == b.read(), f"{how}: {name} differs"
 
 
+@pytest.mark.sweep
 def test_trl_dpo_trainer_loads_its_reference_model_too_and_trains_the_same_with_the_import(workdir):
     """DPOTrainer(model="<path>") loads the path twice (the policy, then its frozen reference, which TRL wraps in an
     inference ZeRO-3 engine of its own): both loads go through the loader, and the losses and rewards (policy
@@ -91,6 +92,7 @@ def _ds_config_file(workdir: str, name: str, expert_parallel: bool, zero: dict |
 
 # ZeRO-3 without EP gives the plain path's numbers too (by hand; nothing there draws differently, see the SFT and DPO
 # tests): one case here keeps the suite's time down
+@pytest.mark.sweep
 @pytest.mark.parametrize("mode", ["expert parallel"])
 def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, mode):
     """Reinforcement learning on a MoE (`GRPOTrainer(model=path, reward_funcs=...)`, its reference model loaded a
@@ -120,6 +122,7 @@ def test_trl_grpo_on_a_moe_samples_and_trains_the_same_with_the_import(workdir, 
     assert ours["logged"] == upstream["logged"]  # gradient norms too (see the next test on the routers' group)
 
 
+@pytest.mark.sweep
 def test_trainer_checkpoints_under_expert_parallelism_resume_to_the_uninterrupted_run(workdir):
     """A long MoE fine-tune under ZeRO-3 + EP takes periodic Trainer checkpoints (`save_strategy="steps"`: DeepSpeed's
     engine checkpoint, and the model, which the import writes without a gather) and is resumed from one: the resumed
@@ -161,6 +164,7 @@ def test_trainer_checkpoints_under_expert_parallelism_resume_to_the_uninterrupte
     assert {"model.safetensors", "latest", "global_step2", "trainer_state.json"} <= set(first), first
 
 
+@pytest.mark.sweep
 def test_trainer_with_ulysses_sequence_parallelism_trains_the_same_with_the_import(workdir):
     """Long-context fine-tuning (ALST: the Trainer's `parallelism_config` with DeepSpeed Ulysses, each sequence split
     over 2 ranks) on a MoE: DeepSpeed's sequence-parallel engine takes the partitions the loader built, and every
@@ -170,6 +174,7 @@ def test_trainer_with_ulysses_sequence_parallelism_trains_the_same_with_the_impo
     assert len(ours["logged"]) == 3 and ours["logged"] == upstream["logged"]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("mode", ["zero3", "expert parallel"])
 def test_trl_lora_on_a_moe_trains_the_same_with_the_import_and_saves_its_adapter_gathering_only_it(workdir, mode):
     """LoRA fine-tuning as TRL users write it (`SFTTrainer(model=path, peft_config=LoraConfig(...))`, the output head
@@ -316,8 +321,9 @@ def _torchrun_script(script: str, *args: str, timeout: float = 300) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-@pytest.mark.parametrize("family, mode", [("qwen3_vl_moe", "zero3"), ("qwen3_vl_moe", "expert parallel"),
-                                          ("ernie4_5_vl_moe", "zero3")])
+@pytest.mark.parametrize("family, mode", [("qwen3_vl_moe", "zero3"),
+                                          pytest.param("qwen3_vl_moe", "expert parallel", marks=pytest.mark.sweep),
+                                          pytest.param("ernie4_5_vl_moe", "zero3", marks=pytest.mark.sweep)])
 def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, family, mode):
     """A vision-language MoE fine-tuned on images (tests/vlm_training_script.py), 3 steps at 2 ranks, every parameter
     gathered and released at each step: every rank's losses equal transformers' own ZeRO-3 path's, bit for bit.
@@ -364,6 +370,7 @@ def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, family
 PER_EXPERT_MOE = {"switch_transformers": "SwitchTransformersExperts", "nllb-moe": "NllbMoeExperts"}
 
 
+@pytest.mark.sweep
 def test_per_expert_moe_blocks_are_leaf_modules_and_train_as_deepspeeds_own_fix_does(workdir):
     """Switch Transformers and NLLB-MoE keep each expert its own module, run only for the tokens routed to it: with
     each rank on its own tokens, ZeRO-3's all-gathers no longer pair up (Switch Transformers, by hand: gloo's "Received
@@ -496,7 +503,7 @@ def test_outside_the_leaf_modules_every_moe_type_runs_the_same_modules_whatever_
     assert {"qwen3_moe", "mixtral", "dbrx", "qwen3_5_moe", "glm4_moe", "minimax_m2"} <= set(differ_unmarked)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.sweep)], ids=["full", "lora"])
 def test_finetune_script_runs_with_the_expert_parallel_accelerate_config(workdir, lora):
     """scripts/finetune_moe.py as the README shows it, with its defaults, under the shipped ZeRO-3 + EP accelerate
     config, training the whole model or a LoRA adapter (with gradient checkpointing, as LoRA runs often are), then
