@@ -5,6 +5,9 @@ from .errors import CheckpointError, ConfigError, ConversionMismatchError, Distr
 from .loader import LoadReport, from_pretrained
 from .saving import SaveReport, save_pretrained
 
+from .compat import warn_if_untested as _warn_if_untested  # isort: skip
+
+_warn_if_untested()  # an untested transformers or DeepSpeed: one warning (docs/compatibility.md), never a failure
 
 __all__ = [
     "__version__",

@@ -62,9 +62,83 @@ from dataclasses import dataclass
 
 import torch
 
+from ._hooks import EP, LOAD, SAVE, Hook
+
 logger = logging.getLogger(__name__)
 
 DEEPSPEED_VERSION_WRITTEN_AGAINST = "0.19.8"
+# the releases tested: 0.19.8 (from, up to but not including); others warn at import (`compat.py`)
+TESTED_RANGE = ((0, 19, 8), (0, 19, 9))
+
+_PP = "deepspeed.runtime.zero.partition_parameters"
+_SWAPPER = "deepspeed.runtime.swap_tensor.partitioned_param_swapper:AsyncPartitionedParameterSwapper"
+_PARAM_FIELDS = ("ds_tensor", "ds_numel", "ds_numel_aligned", "ds_status", "ds_persist", "ds_shape", "ds_id",
+                 "ds_zero_partition_process_group", "ds_zero_partition_world_size", "ds_zero_partition_rank",
+                 "ds_process_group", "nvme_swapper", "final_location")
+
+# Every private name of DeepSpeed the package touches, with the shape it relies on; checked at the first load or save
+# (`compat.missing_hooks`). Where one of a load's is missing or changed, the load goes through transformers' own
+# ZeRO-3 path (expert parallelism: left to the engine's AutoEP, or refused); a save is refused.
+HOOKS = (
+    Hook(f"{_PP}:Init._convert_to_deepspeed_param", (LOAD, SAVE), params=("self", "param"), exact=True),
+    Hook(f"{_PP}:Init.__init__", (LOAD, SAVE), keywords=("config_dict_or_path", "zero_param_parallel_group")),
+    Hook(f"{_PP}:Init", (LOAD, SAVE), source=("self.local_device", "self.remote_device", "self.ds_process_group",
+                                              "self.pin_memory", "self.param_swapper")),
+    Hook(_PP, (LOAD, SAVE), source=_PARAM_FIELDS),  # the fields of a converted parameter
+    Hook(f"{_PP}:PartitionedParamStatus.AVAILABLE", (LOAD, SAVE)),
+    Hook(f"{_PP}:PartitionedParamStatus.NOT_AVAILABLE", (LOAD, SAVE)),
+    Hook(f"{_PP}:ZeroParamStatus.NOT_AVAILABLE", (LOAD, SAVE)),
+    Hook(f"{_PP}:zero_init_context"),
+    Hook(f"{_PP}:top_level_context"),
+    Hook(f"{_PP}:shutdown_init_context"),
+    Hook(f"{_PP}:restore_init_context"),
+    Hook(f"{_PP}:GatheredParameters.__init__", params=("self", "params", "modifier_rank")),
+    Hook("deepspeed.utils.groups:_ZERO_PARAM_INTRA_PARALLEL_GROUP"),
+    # NVMe parameter offload
+    Hook(f"{_SWAPPER}.get_buffer", (LOAD, SAVE), params=("self", "param", "numel")),
+    Hook(f"{_SWAPPER}.swap_out_and_release", (LOAD, SAVE), params=("self", "params")),
+    Hook(f"{_SWAPPER}.swap_in", (LOAD, SAVE), params=("self", "params", "async_op")),
+    Hook(f"{_SWAPPER}.remove_partition_and_release_buffers", (LOAD, SAVE), params=("self", "params")),
+    Hook(f"{_SWAPPER}.available_swap_in_buffers", (LOAD, SAVE), params=("self",)),
+    Hook(f"{_SWAPPER}.swappable_tensor", (LOAD, SAVE), params=("self", "param", "numel")),
+    Hook(_SWAPPER, (LOAD, SAVE), source=("self.elements_per_buffer", "self.dtype", "self.swap_config")),
+    Hook("deepspeed.runtime.zero.offload_config:OffloadDeviceEnum.nvme", (LOAD, SAVE)),
+    Hook("deepspeed.git_version_info:installed_ops"),
+    Hook("deepspeed.ops.op_builder.builder:OpBuilder._loaded_ops"),
+    # expert parallelism: AutoEP run on the meta skeleton, the engine's groups, the engine's acceptance
+    Hook("deepspeed.module_inject.auto_ep:AutoEP.__init__", (EP,), params=("self", "model", "config")),
+    Hook("deepspeed.module_inject.auto_ep:AutoEP.ep_parser", (EP,), params=("self",)),
+    Hook("deepspeed.module_inject.auto_ep:AutoEP.replace_moe_layers", (EP,), params=("self", "specs"),
+         keywords=("ep_size", "ep_rank")),
+    Hook("deepspeed.module_inject.auto_ep_config:parse_autoep_config", (EP,), params=("param_dict",)),
+    Hook("deepspeed.module_inject.auto_ep_layer:AutoEPMoELayer", (EP, SAVE)),
+    Hook("deepspeed.module_inject.auto_ep_presets.registry:PRESET_MODELS", (EP,)),
+    Hook("deepspeed.module_inject.auto_ep_presets.registry:resolve_preset_candidates", (EP,),
+         params=("config", "model_config")),
+    Hook("deepspeed.module_inject.auto_ep_presets.registry:unsupported_preset_for_hf_model_type", (EP,),
+         params=("model_type",)),
+    Hook("deepspeed.runtime.config:get_expert_data_topo_config", (EP,), params=("param_dict",)),
+    Hook("deepspeed.utils.groups:_create_expert_and_data_parallel", (EP,), keywords=(
+        "expert_parallel_size_", "mp_size", "pp_size", "mp_mode", "use_data_before_expert_parallel_")),
+    Hook("deepspeed.utils.groups:_get_expert_parallel_group", (EP,)),
+    Hook("deepspeed.utils.groups:_get_expert_data_parallel_group", (EP,)),
+    Hook("deepspeed.utils.groups:_get_sequence_data_parallel_group", (EP,)),
+    Hook("deepspeed.moe.ep_repack:_local_expert_range", (EP,), params=("spec", "ep_rank", "ep_size")),
+    Hook("deepspeed.moe.ep_repack:_get_expert_weight", (EP,), params=("expert_module", "weight_name")),
+    Hook("deepspeed.moe.fused_expert_layout:classify_fused_gate_up_layout", (EP,), params=("w1_shape", "w2_shape")),
+    Hook("deepspeed.runtime.engine:DeepSpeedEngine._configure_expert_parallel", (EP,),
+         params=("self", "model", "collect_sources"), exact=True),
+    Hook("deepspeed:set_optimizer_flags", (EP,), params=("config_class", "model")),
+    Hook("transformers.utils.output_capturing:_CAN_RECORD_REGISTRY.get", (EP,)),
+)
+
+
+def missing_hooks(*uses: str) -> list[str]:
+    """"name: what is wrong" for each hook above that `uses` need (all when none given) and the installed DeepSpeed
+    lacks or has changed; [] when every one is as expected. Checked once per process."""
+    from ._hooks import missing
+
+    return missing(HOOKS, uses)
 
 # set on every AutoEPMoELayer this loader builds, so the engine wrapper knows not to replace again
 BUILT_BY_LOADER = "_hf_zero3_loader_built"
@@ -270,10 +344,13 @@ def arch_list_the_op_builder_cannot_parse(op_name: str) -> list[str]:
     built here (no CUDA, the op installed prebuilt or already loaded) or every entry parses."""
     if not torch.cuda.is_available():
         return []
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder.builder import OpBuilder
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder.builder import OpBuilder
 
-    if installed_ops.get(op_name, False) or op_name in OpBuilder._loaded_ops:
+        if installed_ops.get(op_name, False) or op_name in OpBuilder._loaded_ops:
+            return []
+    except (ImportError, AttributeError):  # an untested DeepSpeed: no advice rather than a failed check
         return []
     bad = []
     for cc in os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";").split(";"):

@@ -26,15 +26,88 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
+from ._hooks import CLI, EP, LOAD, SAVE, TESTS, Hook
+
 TRANSFORMERS_VERSIONS_CHECKED = ("5.23", "5.24")
+# the releases tested: 5.23.x and 5.24.x (from, up to but not including); others warn at import (`compat.py`)
+TESTED_RANGE = ((5, 23), (5, 25))
 _originals: dict[str, Callable] = {}  # transformers' methods while ours replace them
+
+_MU, _CML, _INIT = "transformers.modeling_utils", "transformers.core_model_loading", "transformers.initialization"
+_OPS = ("MergeModulelist", "Concatenate", "Chunk", "Split", "Interleave", "Transpose", "PermuteForRope", "Conv3dToLinear",
+        "ErnieFuseAndSplitTextVisionExperts", "VisionFuseAndPermuteForRope")  # the planner's rules (`planner/ops.py`)
+
+# Every private name of transformers (and huggingface_hub) the package touches, with the shape it relies on; checked
+# at the first load or save (`compat.missing_hooks`). Where one of a load's is missing or changed, the load goes
+# through transformers' own ZeRO-3 path; a save is refused.
+HOOKS = (
+    Hook("transformers.integrations.deepspeed:_hf_deepspeed_config_weak_ref", (LOAD, SAVE)),
+    Hook(f"{_MU}:PreTrainedModel._load_pretrained_model", static=True, exact=True,
+         params=("model", "state_dict", "checkpoint_files", "load_config", "expected_keys")),
+    Hook(f"{_MU}:PreTrainedModel._finalize_model_loading", static=True, exact=True,
+         params=("model", "load_config", "loading_info")),
+    Hook(f"{_MU}:LoadStateDictConfig", fields=("pretrained_model_name_or_path", "ignore_mismatched_sizes",
+                                               "sharded_metadata", "dtype", "dtype_plan", "hf_quantizer",
+                                               "weight_mapping", "weights_only")),
+    Hook("transformers.utils.loading_report:LoadStateDictInfo", fields=(
+        "missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs", "conversion_errors", "skipped_pp_keys")),
+    Hook("transformers.utils.loading_report:log_state_dict_report",
+         keywords=("model", "pretrained_model_name_or_path", "ignore_mismatched_sizes", "loading_info", "logger")),
+    Hook(f"{_MU}:_tied_params_are_equal", params=("source", "target"), exact=True),
+    Hook(f"{_MU}:PreTrainedModel._adjust_missing_and_unexpected_keys", params=("self", "loading_info")),
+    Hook(f"{_MU}:PreTrainedModel._init_weights", params=("self", "module")),
+    Hook(f"{_MU}:PreTrainedModel._get_dtype_plan", params=("self", "dtype")),
+    Hook(f"{_MU}:PreTrainedModel._from_config", (LOAD, SAVE)),
+    Hook(f"{_INIT}:guard_torch_init_functions", (LOAD, SAVE)),
+    Hook(f"{_INIT}:TORCH_INIT_FUNCTIONS", (LOAD, SAVE)),
+    Hook(f"{_INIT}:no_init_weights", (LOAD, SAVE)),
+    Hook("transformers.quantizers.quantizer_gguf:GgufHfQuantizer", (LOAD, SAVE), source=("self.supported",)),
+    Hook("transformers.integrations.finegrained_fp8:Fp8Dequantize", (LOAD, SAVE)),
+    Hook("transformers.integrations.mxfp4:Mxfp4Dequantize", (LOAD, SAVE)),
+    # the planner (`planner/plan.py`, `planner/ops.py`) groups keys and routes ops as transformers does
+    Hook(f"{_CML}:rename_source_key", (LOAD, SAVE), params=("source_key", "weight_renamings", "weight_converters",
+                                                           "base_model_prefix", "meta_state_dict")),
+    Hook(f"{_CML}:dot_natural_key", (LOAD, SAVE), params=("s",), exact=True),
+    Hook(f"{_CML}:build_glob_alternation", (LOAD, SAVE), params=("globs",)),
+    Hook(f"{_CML}:WeightTransform", (LOAD, SAVE),
+         source=("self._original_source_patterns", "self._original_target_patterns")),
+    Hook(f"{_CML}:WeightConverter", (LOAD, SAVE)),
+    Hook(f"{_CML}:WeightRenaming", (LOAD, SAVE)),
+    *(Hook(f"{_CML}:{op}", (LOAD, SAVE)) for op in _OPS),
+    Hook(f"{_CML}:Conv3dToLinear._get_target_pattern", (LOAD, SAVE), static=True,
+         params=("input_dict", "source_patterns", "target_patterns")),
+    # a save: transformers' save_pretrained on a meta skeleton, the shard writer captured
+    Hook(f"{_MU}:safe_save_file", (SAVE,), params=("tensors", "filename", "metadata"), exact=True),
+    Hook(f"{_MU}:split_torch_state_dict_into_shards", (SAVE,), params=("state_dict",),
+         keywords=("filename_pattern", "max_shard_size")),
+    Hook(f"{_MU}:PreTrainedModel.should_save_on_this_rank", (SAVE,), params=("self", "is_main_process"), exact=True),
+    Hook(f"{_CML}:PrefixChange", (SAVE,)),
+    Hook(f"{_CML}:WeightConverter.copy", (SAVE,), params=("self", "source_patterns", "target_patterns")),
+    Hook("transformers.conversion_mapping:get_model_conversion_mapping", (SAVE,), params=("model",),
+         keywords=("add_legacy",)),
+    Hook("huggingface_hub.serialization._torch:get_torch_storage_id", (SAVE,)),
+    Hook("huggingface_hub.serialization._torch:get_torch_storage_size", (SAVE,)),
+    Hook("huggingface_hub:split_state_dict_into_shards_factory", (SAVE,), params=("state_dict",),
+         keywords=("max_shard_size", "filename_pattern", "get_storage_size", "get_storage_id")),
+    Hook("transformers.models.auto.auto_factory:_LazyAutoMapping", (CLI,), source=("self._model_mapping",)),
+    Hook("transformers.conversion_mapping:_build_checkpoint_conversion_mapping", (TESTS,)),
+    Hook("transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING", (TESTS,)),
+)
+
+
+def missing_hooks(*uses: str) -> list[str]:
+    """"name: what is wrong" for each hook above that `uses` need (all when none given) and the installed transformers
+    lacks or has changed; [] when every one is as expected. Checked once per process."""
+    from ._hooks import missing
+
+    return missing(HOOKS, uses)
 
 
 def live_hf_deepspeed_config():
     """The `HfDeepSpeedConfig` transformers consults now (its module-level weak reference), or None."""
     import transformers.integrations.deepspeed as hf_ds
 
-    ref = hf_ds._hf_deepspeed_config_weak_ref
+    ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)  # gone in an untested transformers: none known
     return ref() if ref is not None else None
 
 
@@ -46,18 +119,25 @@ def hf_zero3_config(config: dict):
     import transformers.integrations.deepspeed as hf_ds
     from transformers.integrations import HfDeepSpeedConfig
 
-    saved = hf_ds._hf_deepspeed_config_weak_ref
+    saved = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", _GONE)
     held = HfDeepSpeedConfig(config)
     try:
         yield held
     finally:
-        hf_ds._hf_deepspeed_config_weak_ref = saved
+        if saved is not _GONE:  # gone in an untested transformers: `held` stays what it sees (as upstream's users do)
+            hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+_GONE = object()
 
 
 @contextmanager
 def hidden_hf_zero3():
     import transformers.integrations.deepspeed as hf_ds
 
+    if not hasattr(hf_ds, "_hf_deepspeed_config_weak_ref"):  # an untested transformers: loads take its own path
+        yield
+        return
     saved = hf_ds._hf_deepspeed_config_weak_ref
     hf_ds._hf_deepspeed_config_weak_ref = None
     try:

@@ -20,7 +20,7 @@ import torch
 
 from . import _deepspeed_private as ds_private
 from . import _transformers_private as hf_private
-from . import log
+from . import compat, log
 from .agreement import AgreedFailure, Agreement
 from .checkpoint import check_index, find_index, missing_folder
 from .deepspeed_setup import (check_supported, find_deepspeed_setup, local_device, nvme_param_offload,
@@ -240,6 +240,7 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
     import torch.distributed as dist
 
     error, ep_request, from_state_dict = None, None, False
+    missing = compat.missing_hooks(compat.LOAD)  # checked once per process: an untested transformers or DeepSpeed
     try:  # the call's own checks: whatever fails, every rank hears of it at the first agreement point
         if kwargs.get("device_map") is not None:
             raise ConfigError("`device_map` cannot be combined with DeepSpeed ZeRO-3: ZeRO-3 places each partition "
@@ -263,6 +264,8 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
         check_budget(staging_bytes)
         check_verify_mode(verify_checkpoint)
         ep_request = request_from(setup.config, ep_size, distributed_config, dist.get_world_size())
+        if ep_request is not None:
+            missing = compat.missing_hooks(compat.LOAD, compat.EP)
         if ep_request is not None and nvme_param_offload(setup.config) is not None:
             raise ConfigError("expert parallelism with NVMe parameter offload (offload_param.device='nvme') does not "
                               "train in DeepSpeed 0.19.8: its parameter swapper fails at the first forward pass of an "
@@ -286,9 +289,14 @@ def _load_zero3(model_class, path, model_args, kwargs, setup, agreement, *, init
             # the partitions' dtype: the engine's, or the call's own where the config leaves it to "auto"
             "dtype the parameters are loaded in": str(kwargs.get("dtype")),
             # "full" adds agreement points (each node hashes its copy)
-            "verify_checkpoint": verify_checkpoint}
+            "verify_checkpoint": verify_checkpoint,
+            # hooks missing (an untested transformers or DeepSpeed) send every rank through transformers' path
+            "private hooks missing": missing}
     agreement.check("check the arguments and the DeepSpeed config", error, same=same, differs=DIFFERENT_CALLS,
                     error_type=ConfigError)
+    if missing:
+        return _load_without_missing_hooks(model_class, path, model_args, kwargs, setup, agreement, ep_request,
+                                           missing)
     expert_parallel = None
     if ep_request is not None:  # groups first, on every rank: the engine reuses them
         expert_parallel = (ep_request, create_groups(ep_request, setup.config))
@@ -317,6 +325,8 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
                   staging_bytes=DEFAULT_STAGING_BYTES, verify_checkpoint="sampled"):
     import torch.distributed as dist
 
+    from .integrations.transformers_hook import bypassed  # `import hf_zero3_loader.auto` must not route it back
+
     reason = f"ZeRO-3 ({setup.found_via})"
     context = "zero3-meta"
     if ep_request is not None:
@@ -330,7 +340,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     error, model, outer = None, None, None
     try:
         with ds_private.callers_zero_init_paused() as outer, hf_private.hidden_hf_zero3(), \
-                hf_private.replaced_loading(hooks.load, hooks.finalize), paused_gc():
+                hf_private.replaced_loading(hooks.load, hooks.finalize), paused_gc(), bypassed():
             model = model_class.from_pretrained(path, *model_args, **kwargs)
     except AgreedFailure:
         raise
@@ -377,13 +387,43 @@ def _note_callers_zero_init(outer, setup, dtype) -> None:
                          "partitions the model itself.", outer.dtype, setup.found_via, dtype, dtype)
 
 
-def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason):
+def _load_without_missing_hooks(model_class, path, model_args, kwargs, setup, agreement, ep_request, missing):
+    """An untested transformers or DeepSpeed lacks (or has changed) a private hook the load needs: transformers' own
+    ZeRO-3 path, which needs none of them. Expert parallelism is then the engine's AutoEP (`deepspeed.initialize`,
+    from the config's `expert_parallel` section), or refused where only the call asked for it. Every rank agreed on
+    `missing` and the expert parallel size: they all take the same branch."""
+    reason = compat.describe(missing)
+    engine_ep = ""
+    if ep_request is not None:
+        if not (setup.config.get("expert_parallel") or {}).get("enabled"):
+            raise ConfigError(f"{reason}. Expert parallelism ({ep_request.asked_via}) cannot load without them: "
+                              "transformers' own ZeRO-3 path, the fallback, builds transformers' MoE blocks. Put an "
+                              "`expert_parallel` section in the DeepSpeed config (deepspeed.initialize then applies "
+                              f"AutoEP itself), or install the tested versions ({compat.DOC})")
+        engine_ep = (" Expert parallelism is left to deepspeed.initialize (AutoEP, from the config's expert_parallel "
+                     "section).")
+        try:  # engine-side AutoEP on a transformers 5.23 model needs it; a hook of its own, maybe gone too
+            ds_private.allow_registry_get_default()
+        except Exception:
+            pass
+    log.warning_once(f"missing hooks {missing}{engine_ep}",
+                     "%s. Loading through transformers' own ZeRO-3 path instead (deepspeed.zero.Init): slower (rank 0 "
+                     "reads the whole checkpoint and broadcasts it, instead of each rank reading its share), but the "
+                     "same model.%s See %s.", reason, engine_ep, compat.DOC)
+    return _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason, announce=False)
+
+
+def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason, announce=True):
     """The fallback: transformers' own ZeRO-3 path (zero.Init, rank 0 reads, gathers and broadcasts)."""
-    log.warning("%s: loading through transformers' own ZeRO-3 path (deepspeed.zero.Init: rank 0 reads the whole "
-                "checkpoint and broadcasts it, instead of each rank reading its share)", reason)
+    from .integrations.transformers_hook import bypassed
+
+    if announce:
+        log.warning("%s: loading through transformers' own ZeRO-3 path (deepspeed.zero.Init: rank 0 reads the whole "
+                    "checkpoint and broadcasts it, instead of each rank reading its share)", reason)
     error, model = None, None
     try:
-        with hf_private.hf_zero3_config(setup.config):  # this load's config, held for its whole duration
+        # this load's config, held for its whole duration; `import hf_zero3_loader.auto` must not route it back here
+        with hf_private.hf_zero3_config(setup.config), bypassed():
             model = model_class.from_pretrained(path, *model_args, **kwargs)
     except Exception as e:
         error = missing_folder(path, e) or e

@@ -170,6 +170,14 @@ def save_pretrained(
 
 def _refused_arguments(state_dict, safe_serialization, push_to_hub, file_layout, write_mode, chunk_bytes,
                        staging_bytes, kwargs) -> Exception | None:
+    from .compat import DOC, SAVE, describe, missing_hooks
+
+    missing = missing_hooks(SAVE)  # an untested transformers or DeepSpeed: refused on every rank, nothing written
+    if missing:
+        return ConfigError(f"{describe(missing)}. hf_zero3_loader.save_pretrained refuses to write without them: save "
+                           "through the Trainer or accelerate (with these versions they gather the model, as without "
+                           "hf_zero3_loader: stage3_gather_16bit_weights_on_model_save), or with the engine's "
+                           f"save_checkpoint; or install the tested versions ({DOC})")
     if state_dict is not None:
         return ConfigError("hf_zero3_loader.save_pretrained writes the model's own partitions; a `state_dict` would "
                            "have to be gathered first (use transformers' save_pretrained for that)")

@@ -27,15 +27,19 @@ _originals: dict = {}
 
 
 def _partitioned_pretrained_model(model):
-    """The PreTrainedModel to write without a gather, or None for the original method: not partitioned, or
-    partitions swapped out to NVMe (`offload_param: nvme`), which the Trainer and accelerate gather as before."""
+    """The PreTrainedModel to write without a gather, or None for the original method: not partitioned,
+    partitions swapped out to NVMe (`offload_param: nvme`), or a private hook the save needs missing from an untested
+    transformers or DeepSpeed (`compat.py`), which the Trainer and accelerate gather as before."""
     from transformers import PreTrainedModel
 
     from .._deepspeed_private import on_nvme
+    from ..compat import SAVE, missing_hooks
     from ..saving import is_partitioned, unwrap
 
     module = unwrap(model)
     if not (isinstance(module, PreTrainedModel) and is_partitioned(module)):
+        return None
+    if missing_hooks(SAVE):  # an untested transformers or DeepSpeed: the Trainer and accelerate gather, as before
         return None
     return None if any(on_nvme(p) for p in module.parameters()) else module
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from contextlib import contextmanager
 
 _state = threading.local()
 _original = None
@@ -18,6 +19,17 @@ _original = None
 
 def _inside_loader() -> bool:
     return getattr(_state, "depth", 0) > 0
+
+
+@contextmanager
+def bypassed():
+    """`from_pretrained` calls inside go to transformers' own, not back into the loader: the loader's own calls of it
+    (its meta skeleton, its fallback to transformers' ZeRO-3 path), also when it was called directly."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 def install() -> None:

@@ -333,17 +333,22 @@ def _quantizer_rules() -> dict:
     return {op: rules[kind] for kind, op in hf_private.dequantize_ops().items()}
 
 
+_BASE_RULES = {
+    "MergeModulelist": _merge_modulelist,
+    "Concatenate": _concatenate,
+    "Chunk": _chunk,
+    "Split": _split,
+    "Interleave": _interleave,
+    "Transpose": _transpose,
+    "PermuteForRope": _permute_for_rope,
+    "Conv3dToLinear": _conv3d_to_linear,
+    "ErnieFuseAndSplitTextVisionExperts": _ernie_fuse_and_split,
+    "VisionFuseAndPermuteForRope": _vision_fuse_and_permute_for_rope,
+}
 RULES = {
-    cml.MergeModulelist: _merge_modulelist,
-    cml.Concatenate: _concatenate,
-    cml.Chunk: _chunk,
-    cml.Split: _split,
-    cml.Interleave: _interleave,
-    cml.Transpose: _transpose,
-    cml.PermuteForRope: _permute_for_rope,
-    cml.Conv3dToLinear: _conv3d_to_linear,
-    cml.ErnieFuseAndSplitTextVisionExperts: _ernie_fuse_and_split,
-    cml.VisionFuseAndPermuteForRope: _vision_fuse_and_permute_for_rope,
+    # an op gone from an untested transformers does not fail the import: its hook is missing at the first load
+    # (`_transformers_private.HOOKS`), which then goes through transformers' own ZeRO-3 path
+    **{getattr(cml, name): rule for name, rule in _BASE_RULES.items() if hasattr(cml, name)},
     **_version_rules(),
     **_quantizer_rules(),
 }
