@@ -59,7 +59,8 @@ class Hook:
                 return "its signature cannot be read"
             names = list(parameters)
             if names[:len(self.params)] != list(self.params) or (self.exact and names != list(self.params)):
-                return f"parameters ({', '.join(names)}), expected ({', '.join(self.params)}{'' if self.exact else ', ...'})"
+                expected = ", ".join(self.params) + ("" if self.exact else ", ...")
+                return f"parameters ({', '.join(names)}), expected ({expected})"
             absent = [k for k in self.keywords if k not in parameters]
             if absent:
                 return f"takes no {', '.join(absent)}"

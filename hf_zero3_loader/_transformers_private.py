@@ -34,8 +34,8 @@ TESTED_RANGE = ((5, 23), (5, 25))
 _originals: dict[str, Callable] = {}  # transformers' methods while ours replace them
 
 _MU, _CML, _INIT = "transformers.modeling_utils", "transformers.core_model_loading", "transformers.initialization"
-_OPS = ("MergeModulelist", "Concatenate", "Chunk", "Split", "Interleave", "Transpose", "PermuteForRope", "Conv3dToLinear",
-        "ErnieFuseAndSplitTextVisionExperts", "VisionFuseAndPermuteForRope")  # the planner's rules (`planner/ops.py`)
+_OPS = ("MergeModulelist", "Concatenate", "Chunk", "Split", "Interleave", "Transpose", "PermuteForRope",
+        "Conv3dToLinear", "ErnieFuseAndSplitTextVisionExperts", "VisionFuseAndPermuteForRope")  # `planner/ops.py`
 
 # Every private name of transformers (and huggingface_hub) the package touches, with the shape it relies on; checked
 # at the first load or save (`compat.missing_hooks`). Where one of a load's is missing or changed, the load goes
