@@ -325,7 +325,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
                   staging_bytes=DEFAULT_STAGING_BYTES, verify_checkpoint="sampled"):
     import torch.distributed as dist
 
-    from .integrations.transformers_hook import bypassed  # `import hf_zero3_loader.auto` must not route it back
+    from .bypass import bypassed  # `import hf_zero3_loader.auto` must not route it back
 
     reason = f"ZeRO-3 ({setup.found_via})"
     context = "zero3-meta"
@@ -415,7 +415,7 @@ def _load_without_missing_hooks(model_class, path, model_args, kwargs, setup, ag
 
 def _load_with_zero_init(model_class, path, model_args, kwargs, setup, agreement, reason, announce=True):
     """The fallback: transformers' own ZeRO-3 path (zero.Init, rank 0 reads, gathers and broadcasts)."""
-    from .integrations.transformers_hook import bypassed
+    from .bypass import bypassed
 
     if announce:
         log.warning("%s: loading through transformers' own ZeRO-3 path (deepspeed.zero.Init: rank 0 reads the whole "

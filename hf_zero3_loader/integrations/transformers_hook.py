@@ -10,26 +10,10 @@ AcceleratorState, `accelerate launch` environment).
 from __future__ import annotations
 
 import functools
-import threading
-from contextlib import contextmanager
 
-_state = threading.local()
+from ..bypass import bypassed, inside_loader
+
 _original = None
-
-
-def _inside_loader() -> bool:
-    return getattr(_state, "depth", 0) > 0
-
-
-@contextmanager
-def bypassed():
-    """`from_pretrained` calls inside go to transformers' own, not back into the loader: the loader's own calls of it
-    (its meta skeleton, its fallback to transformers' ZeRO-3 path), also when it was called directly."""
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
 
 
 def install() -> None:
@@ -47,18 +31,15 @@ def install() -> None:
         from ..deepspeed_setup import find_deepspeed_setup
         from ..loader import from_pretrained as zero3_from_pretrained
 
-        if _inside_loader():
+        if inside_loader():
             return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
         setup = find_deepspeed_setup(None)
         if setup is None or not setup.partitions_at_load:
             _say_left_to_transformers(setup, pretrained_model_name_or_path)
             return plain(cls, pretrained_model_name_or_path, *model_args, **kwargs)
-        _state.depth = getattr(_state, "depth", 0) + 1  # our loader calls from_pretrained itself
-        try:
+        with bypassed():  # our loader calls from_pretrained itself
             # no ds_config: the loader finds the same config and records where it came from
             return zero3_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
-        finally:
-            _state.depth -= 1
 
     PreTrainedModel.from_pretrained = classmethod(from_pretrained)
 
