@@ -171,6 +171,13 @@ class TorchrunPool:
                 self.proc.wait()
 
 
+def needs_fresh_process(case: dict) -> bool:
+    """Cases whose bounds hold for a new process only: a lowered descriptor limit (a pool's ranks hold more
+    descriptors than a new process), NVMe offload (DeepSpeed's aio handles and swap files stay with the process)."""
+    offload = (case.get("ds_config") or {}).get("zero_optimization", {}).get("offload_param", {})
+    return bool(case.get("max_open_files")) or offload.get("device") == "nvme"
+
+
 _pools: dict = {}
 MAX_POOLS = 3  # idle pools hold their ranks' memory: the least recently used one is closed past this
 
@@ -179,7 +186,7 @@ def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: floa
     """Run the cases in one real torchrun job of `world_size` processes; return rank 0's dumps, in order. The job is
     a pool's (`TorchrunPool`), shared with the other tests of this world size and environment, unless
     HF_ZERO3_TEST_POOL=0 asks for a launch of its own."""
-    if os.environ.get("HF_ZERO3_TEST_POOL", "1") == "0":
+    if os.environ.get("HF_ZERO3_TEST_POOL", "1") == "0" or any(needs_fresh_process(c) for c in cases):
         cases_file = os.path.join(workdir, f"cases_w{world_size}_{abs(hash(json.dumps(cases)))}.json")
         with open(cases_file, "w") as f:
             json.dump(cases, f)

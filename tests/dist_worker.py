@@ -648,11 +648,18 @@ def leaves_state(cases: list[dict]) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """The process is there and not a zombie (an exited pytest whose parent has not reaped it still answers kill 0)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def serve(folder: str) -> None:
