@@ -412,17 +412,22 @@ class Agreement:
         rank, module, qualname, message = first
         raise _agreed(_lookup(module, qualname), f"[rank {rank}] {message}", error)
 
+    def _arrive(self, key: str, phase: str, needed: bool) -> None:
+        """This rank's value is published at `key`: count it (and whether it asks for every value), then wait until
+        every rank has."""
+        if needed:
+            self.store.add(f"{key}/needed", 1)
+        if self.store.add(f"{key}/arrived", 1) == self.world_size:
+            self.store.set(f"{key}/done", "1")
+        self._wait(f"{key}/done", phase)
+
     def gather(self, phase: str, value: dict, needed: bool) -> list[dict] | None:
         """Every rank publishes `value` (JSON); when any rank says `needed`, every rank gets all ranks' values (one
         batched store read), else None: the common case costs one store round trip, whatever the world size."""
         key = f"{self.prefix}/point{next(self.points)}"
         try:
             self.store.set(f"{key}/value/{self.rank}", json.dumps(value))
-            if needed:
-                self.store.add(f"{key}/needed", 1)
-            if self.store.add(f"{key}/arrived", 1) == self.world_size:
-                self.store.set(f"{key}/done", "1")
-            self._wait(f"{key}/done", phase)
+            self._arrive(key, phase, needed)
             if not self.store.add(f"{key}/needed", 0):
                 return None
             raw = self.store.multi_get([f"{key}/value/{r}" for r in range(self.world_size)])
@@ -441,11 +446,7 @@ class Agreement:
         try:
             slot = int(self.store.add(f"{group}/count", 1)) - 1
             self.store.set(f"{group}/{slot}", json.dumps(value))
-            if needed:
-                self.store.add(f"{key}/needed", 1)
-            if self.store.add(f"{key}/arrived", 1) == self.world_size:
-                self.store.set(f"{key}/done", "1")
-            self._wait(f"{key}/done", phase)
+            self._arrive(key, phase, needed)
             if self.store.check([f"{key}/error"]):
                 rank, module, qualname, message = json.loads(self.store.get(f"{key}/error"))
                 raise _agreed(_lookup(module, qualname), f"[rank {rank}] {message}")
