@@ -139,19 +139,13 @@ class _Sentinel:
 
     def watch(self) -> str | None:
         """A verdict if a watched rank's process is gone, else None (called from the heartbeat thread)."""
-        if self.a.rank != 0 and not self.tried:
-            sock = self._connect()  # outside the lock: `close` never waits on a connection being made
-            if sock is not None:
-                with self.lock:
-                    if self.closed:
-                        sock.close()
-                        return None
-                    self.peers[0] = sock
         with self.lock:
             if self.closed:
                 return None
             if self.a.rank == 0:
                 self._accept()
+            elif not self.tried:
+                self._connect()
             ready = [r for r in self.peers if r not in self.left]
             if not ready:
                 return None
@@ -206,12 +200,10 @@ class _Sentinel:
             sock.setblocking(False)
             self.peers[rank] = sock
 
-    def _connect(self) -> socket.socket | None:
-        """This rank's connection to rank 0, once rank 0 has said where it listens; None until then, or if no
-        address of rank 0's answers."""
+    def _connect(self) -> None:
         key = f"{self.a.prefix}/sentinel"
         if not self.a.store.check([key]):
-            return None
+            return
         self.tried = True
         for host, port in json.loads(self.a.store.get(key)):
             try:
@@ -222,11 +214,11 @@ class _Sentinel:
                 sock.sendall(f"{self.a.load_no}:{self.a.rank}\n".encode())
                 if sock.recv(1) == b"k":  # rank 0 of this load answered, not some other listener
                     sock.setblocking(False)
-                    return sock
+                    self.peers[0] = sock
+                    return
             except OSError:
                 pass
             sock.close()
-        return None
 
     def close(self) -> None:
         with self.lock:
