@@ -33,7 +33,6 @@ import itertools
 import json
 import math
 import os
-import resource
 import select
 import socket
 import threading
@@ -125,8 +124,6 @@ class _Sentinel:
         self.pending: list[socket.socket] = []  # rank 0: accepted, not yet identified
         self.listener = None
         self.tried = False
-        # rank 0 keeps at most half its descriptor limit for these, so the reads' own descriptors stay available
-        self.capacity = max(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 - 64)
         if agreement.rank == 0:
             try:
                 self.listener = socket.create_server(("", 0), backlog=min(agreement.world_size, 4096))
@@ -146,16 +143,13 @@ class _Sentinel:
                 self._accept()
             elif not self.tried:
                 self._connect()
-            ready = [r for r in self.peers if r not in self.left]
+            ready = [r for r, sock in self.peers.items() if r not in self.left]
             if not ready:
                 return None
-            poll = select.poll()  # not select(): descriptors past 1024 at thousands of ranks
-            for r in ready:
-                poll.register(self.peers[r], select.POLLIN | select.POLLHUP | select.POLLERR)
-            readable = {fd for fd, _ in poll.poll(0)}
+            readable, _, _ = select.select([self.peers[r] for r in ready], [], [], 0)
             for r in ready:
                 sock = self.peers[r]
-                if sock.fileno() not in readable:
+                if sock not in readable:
                     continue
                 try:
                     data = sock.recv(64)
@@ -189,12 +183,6 @@ class _Sentinel:
             self.pending.remove(sock)
             if load_no != self.a.load_no or not 0 < rank < self.a.world_size:
                 sock.close()
-                continue
-            if len(self.peers) >= self.capacity:  # "no": that rank is watched by the liveness bound alone
-                try:
-                    sock.sendall(b"n")
-                finally:
-                    sock.close()
                 continue
             sock.sendall(b"k")
             sock.setblocking(False)
@@ -271,19 +259,12 @@ class _Heartbeat(threading.Thread):
             try:
                 a.store.set(f"{_ALIVE}/{a.rank}", f"{a.load_no}:{seq}")
                 seq += 1
-                verdict = self._watch_sentinel() or self._watch(watched)
+                verdict = self.sentinel.watch() or self._watch(watched)
                 if verdict:
                     a.store.compare_set(f"{a.prefix}/verdict", "", verdict)
             except Exception:  # the store went away: the waiting side reports it
                 pass
             self.stopped.wait(self.period)
-
-    def _watch_sentinel(self) -> str | None:
-        try:
-            return self.sentinel.watch()
-        except Exception as e:  # the heartbeat goes on: the liveness bound still watches
-            log.debug("watching the ranks' connections failed (%s); the liveness bound watches them", e)
-            return None
 
     def _watch(self, ranks: list[int]) -> str | None:
         a, now = self.a, time.monotonic()
