@@ -9,8 +9,7 @@ is the reference, a rank whose value differs records the difference as the error
 
 Liveness, not skew: while a load runs, every rank's `_Heartbeat` thread writes its alive counter to the store every
 second. Rank 0's thread watches every rank, the others watch rank 0; a rank whose counter stops for
-`liveness_timeout_s` (a SIGSTOPped process, a lost machine) gets a verdict that every waiting rank raises; a killed
-process is seen sooner, when the connection it held to rank 0 closes (`_Sentinel`). A peer that has
+`liveness_timeout_s` (a killed or SIGSTOPped process) gets a verdict that every waiting rank raises. A peer that has
 not started this load yet is waited for up to `join_timeout_s`. Loads are numbered per process and every rank starts
 one at the same place, so a failed load cannot pair with a retry; a peer in an earlier load is "not started yet".
 
@@ -33,8 +32,6 @@ import itertools
 import json
 import math
 import os
-import select
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -106,139 +103,6 @@ def resolve_timeout(value, env: str, default: float, what: str) -> float:
     return float(value)
 
 
-class _Sentinel:
-    """A TCP connection between rank 0 and each other rank, held while a load or save runs. The kernel closes a
-    process's connections when it ends, killed or not, so a rank whose process is gone is seen within a heartbeat
-    period, not after the liveness bound; a rank that leaves normally says goodbye first. A stopped rank, or a
-    machine that lost its power or network, closes nothing: the liveness bound finds those. Where the connection
-    cannot be made (no route from a rank to rank 0's machine), the liveness bound alone watches."""
-
-    BYE = b"bye\n"
-
-    def __init__(self, agreement: "Agreement"):
-        self.a = agreement
-        self.lock = threading.Lock()
-        self.closed = False
-        self.peers: dict[int, socket.socket] = {}  # rank 0: each rank's connection; others: {0: the connection}
-        self.left: set[int] = set()  # ranks that said goodbye
-        self.pending: list[socket.socket] = []  # rank 0: accepted, not yet identified
-        self.listener = None
-        self.tried = False
-        if agreement.rank == 0:
-            try:
-                self.listener = socket.create_server(("", 0), backlog=min(agreement.world_size, 4096))
-                self.listener.setblocking(False)
-                port = self.listener.getsockname()[1]
-                agreement.store.set(f"{agreement.prefix}/sentinel", json.dumps([[h, port] for h in _own_addresses()]))
-            except OSError as e:  # the liveness bound alone
-                log.debug("no connection to watch the ranks by (%s); the liveness bound watches them", e)
-                self.listener = None
-
-    def watch(self) -> str | None:
-        """A verdict if a watched rank's process is gone, else None (called from the heartbeat thread)."""
-        with self.lock:
-            if self.closed:
-                return None
-            if self.a.rank == 0:
-                self._accept()
-            elif not self.tried:
-                self._connect()
-            ready = [r for r, sock in self.peers.items() if r not in self.left]
-            if not ready:
-                return None
-            readable, _, _ = select.select([self.peers[r] for r in ready], [], [], 0)
-            for r in ready:
-                sock = self.peers[r]
-                if sock not in readable:
-                    continue
-                try:
-                    data = sock.recv(64)
-                except OSError:
-                    data = b""
-                if self.BYE.strip() in data:
-                    self.left.add(r)
-                elif not data:
-                    self.left.add(r)
-                    return f"rank {r}'s process is gone (its connection to rank {self.a.rank} closed without a goodbye)"
-        return None
-
-    def _accept(self) -> None:
-        if self.listener is None:
-            return
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, OSError):
-                break
-            sock.settimeout(1.0)
-            self.pending.append(sock)
-        for sock in list(self.pending):
-            try:
-                line = sock.recv(64).decode()
-                load_no, rank = (int(x) for x in line.strip().split(":"))
-            except (OSError, ValueError):
-                self.pending.remove(sock)
-                sock.close()
-                continue
-            self.pending.remove(sock)
-            if load_no != self.a.load_no or not 0 < rank < self.a.world_size:
-                sock.close()
-                continue
-            sock.sendall(b"k")
-            sock.setblocking(False)
-            self.peers[rank] = sock
-
-    def _connect(self) -> None:
-        key = f"{self.a.prefix}/sentinel"
-        if not self.a.store.check([key]):
-            return
-        self.tried = True
-        for host, port in json.loads(self.a.store.get(key)):
-            try:
-                sock = socket.create_connection((host, port), timeout=1.0)
-            except OSError:
-                continue
-            try:
-                sock.sendall(f"{self.a.load_no}:{self.a.rank}\n".encode())
-                if sock.recv(1) == b"k":  # rank 0 of this load answered, not some other listener
-                    sock.setblocking(False)
-                    self.peers[0] = sock
-                    return
-            except OSError:
-                pass
-            sock.close()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            for sock in [*self.peers.values(), *self.pending]:
-                try:
-                    sock.setblocking(True)
-                    sock.settimeout(0.5)
-                    sock.sendall(self.BYE)
-                except OSError:
-                    pass
-                sock.close()
-            if self.listener is not None:
-                self.listener.close()
-
-
-def _own_addresses() -> list[str]:
-    """Addresses other ranks may reach this machine at: the launcher's MASTER_ADDR (rank 0 runs on the first node),
-    then this host's own name and address."""
-    out = []
-    for host in (os.environ.get("MASTER_ADDR"), socket.gethostname()):
-        if host and host not in out:
-            out.append(host)
-    try:
-        address = socket.gethostbyname(socket.gethostname())
-        if address not in out:
-            out.append(address)
-    except OSError:
-        pass
-    return out
-
-
 class _Heartbeat(threading.Thread):
     """Writes this rank's alive counter; rank 0 watches every rank, the others watch rank 0; a verdict is written
     to the store when a watched rank is silent too long or never starts this load."""
@@ -250,7 +114,6 @@ class _Heartbeat(threading.Thread):
         self.stopped = threading.Event()
         self.started_at = time.monotonic()
         self.seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it last changed)
-        self.sentinel = _Sentinel(agreement)  # a rank whose process ends is seen at once
 
     def run(self):
         a, seq = self.a, 0
@@ -259,7 +122,7 @@ class _Heartbeat(threading.Thread):
             try:
                 a.store.set(f"{_ALIVE}/{a.rank}", f"{a.load_no}:{seq}")
                 seq += 1
-                verdict = self.sentinel.watch() or self._watch(watched)
+                verdict = self._watch(watched)
                 if verdict:
                     a.store.compare_set(f"{a.prefix}/verdict", "", verdict)
             except Exception:  # the store went away: the waiting side reports it
@@ -309,7 +172,6 @@ class Agreement:
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stopped.set()
-            self._heartbeat.sentinel.close()
 
     def _lost(self, phase: str, detail: str, cause=None) -> BaseException:
         return _agreed(errors.DistributedLoadError, f"{detail} during '{phase}'", cause)

@@ -24,7 +24,6 @@ from tests.conftest import ROOT, python_path, run_ranks, run_torchrun
 
 LIVENESS_S = 10  # the tests' liveness bound (default 30 s); detection must come within it plus a margin
 MARGIN_S = 15
-KILLED_LIVENESS_S, KILLED_BOUND_S = 60, 15  # a killed rank is seen at once, whatever the liveness bound
 
 
 def _plain(path: str, dtype=torch.float32) -> dict:
@@ -262,24 +261,17 @@ def with_missing(workdir):
 
 @pytest.mark.parametrize("kind", ["die_in_read", "stop_in_read", "die_in_finalize", "stop_in_finalize"])
 def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missing, workdir, kind):
-    """A stopped rank is found by its silence, within the liveness bound. A killed one at once: its connection to
-    rank 0 closes with its process (here under a liveness bound of 60 s, which it must not wait for)."""
-    died = kind.startswith("die")
-    case = {"name": kind, "path": with_missing, "dtype": "float32",
-            "kwargs": {"liveness_timeout_s": KILLED_LIVENESS_S if died else LIVENESS_S},
+    case = {"name": kind, "path": with_missing, "dtype": "float32", "kwargs": {"liveness_timeout_s": LIVENESS_S},
             "inject": {"rank": 1, "kind": kind}, "out": os.path.join(workdir, f"live_{kind}.pt")}
-    stopped = () if died else (1,)
+    stopped = (1,) if kind.startswith("stop") else ()
     (ranks,) = run_ranks(2, [case], workdir, timeout=LIVENESS_S * 3 + 60, stopped=stopped)
     assert ranks[1] is None, "rank 1 died or was stopped before reporting"
     error = ranks[0]["error"]
     assert "DistributedLoadError" in error["mro"], error
     phase = "read checkpoint" if kind.endswith("read") else "missing-key init"
-    said = "rank 1's process is gone" if died else "rank 1 stopped answering"
-    assert said in error["message"] and phase in error["message"], error["message"]
-    if died:  # since the load began: the load up to the fault (a few seconds here), then at most 5 s
-        assert error["seconds"] < KILLED_BOUND_S, error
-    else:  # heartbeats stop; a collective in flight times out at the liveness bound (+5 s) and waits for the verdict
-        assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
+    assert "rank 1 stopped answering" in error["message"] and phase in error["message"], error["message"]
+    # heartbeats stop; a collective in flight times out at the liveness bound (+5 s) and waits for the verdict
+    assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
 
 
 def test_a_reader_that_stops_mid_stream_is_noticed_within_the_liveness_bound(workdir):
