@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint
@@ -249,6 +250,7 @@ def test_the_shipped_accelerate_configs_hold_their_deepspeed_config():
         accelerate_config_file("scripts/accelerate/nothing.json")
 
 
+@pytest.mark.sweep
 def test_the_shipped_accelerate_config_trains_from_another_folder(workdir):
     """`accelerate launch --config_file <repo>/scripts/accelerate/zero3.yaml` run from a folder of the user's own (it
     named its DeepSpeed config by a path relative to the repository: accelerate failed from anywhere else): the

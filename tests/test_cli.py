@@ -99,6 +99,7 @@ def measured(workdir, bench_checkpoint):
     return ckpt, out
 
 
+@pytest.mark.sweep
 def test_plan_predicts_the_memory_of_real_loads(measured):
     """Host memory on CPU ranks: predicted vs the measured peak RSS growth, within 20% + 32 MiB."""
     ckpt, runs = measured

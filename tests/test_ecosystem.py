@@ -321,7 +321,7 @@ def _torchrun_script(script: str, *args: str, timeout: float = 300) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-@pytest.mark.parametrize("family, mode", [("qwen3_vl_moe", "zero3"),
+@pytest.mark.parametrize("family, mode", [pytest.param("qwen3_vl_moe", "zero3", marks=pytest.mark.sweep),
                                           pytest.param("qwen3_vl_moe", "expert parallel", marks=pytest.mark.sweep),
                                           pytest.param("ernie4_5_vl_moe", "zero3", marks=pytest.mark.sweep)])
 def test_a_vision_language_moe_trains_on_images_as_upstream_does(workdir, family, mode):

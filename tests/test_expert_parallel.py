@@ -577,6 +577,7 @@ def test_a_lora_adapter_over_an_expert_parallel_load_trains_as_engine_side_autoe
         assert "added inside the expert-parallel experts" in errors[0]["message"], errors
 
 
+@pytest.mark.sweep
 def test_a_router_adapter_saves_under_transformers_names_and_expert_lora_is_refused(workdir):
     """PEFT (for transformers 5 MoE types) targets the router by `target_parameters=["gate.weight"]`: under EP that is
     AutoEP's router linear (`mlp.router.gate`, also reachable as `mlp.gate.gate`). Its trained LoRA is written under

@@ -259,7 +259,8 @@ def with_missing(workdir):
                               lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
 
 
-@pytest.mark.parametrize("kind", ["die_in_read", "stop_in_read", "die_in_finalize", "stop_in_finalize"])
+@pytest.mark.parametrize("kind", ["die_in_read", "stop_in_read", *(pytest.param(k, marks=pytest.mark.sweep)
+                                                                 for k in ("die_in_finalize", "stop_in_finalize"))])
 def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missing, workdir, kind):
     case = {"name": kind, "path": with_missing, "dtype": "float32", "kwargs": {"liveness_timeout_s": LIVENESS_S},
             "inject": {"rank": 1, "kind": kind}, "out": os.path.join(workdir, f"live_{kind}.pt")}
@@ -274,6 +275,7 @@ def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missin
     assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
 
 
+@pytest.mark.sweep
 def test_a_reader_that_stops_mid_stream_is_noticed_within_the_liveness_bound(workdir):
     """Rank 1, the only rank with the files, stopped (SIGSTOP) while it streams ranks 0 and 2 their partitions: both
     fail with the liveness verdict within the bound. Gloo's point-to-point receive ignores the process group's
@@ -294,6 +296,7 @@ def test_a_reader_that_stops_mid_stream_is_noticed_within_the_liveness_bound(wor
         assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
 
 
+@pytest.mark.sweep
 def test_a_slow_but_live_rank_is_waited_for(workdir):
     path = make_checkpoint(os.path.join(workdir, "qwen3_moe"), "qwen3_moe")
     slow = 2 * LIVENESS_S + 2

@@ -89,7 +89,11 @@ def same_files(a: str, b: str) -> None:
             assert fa.read() == fb.read(), f"{name} differs between {a} and {b}"
 
 
-@pytest.mark.parametrize("world_size", sorted(SAVES))
+# the default tier saves at 2 and 3 ranks (3 does not divide the tensors); 1 and 4 are sweep cases
+SAVED_WORLD_SIZES = [w if w in (2, 3) else pytest.param(w, marks=pytest.mark.sweep) for w in sorted(SAVES)]
+
+
+@pytest.mark.parametrize("world_size", SAVED_WORLD_SIZES)
 def test_saved_folder_loads_back_as_the_trained_model_and_equals_plain_save_pretrained(workdir, world_size):
     for case, dump in dumps(workdir, world_size):
         for r in dump["ranks"]:
@@ -127,7 +131,7 @@ def test_saved_folder_loads_back_as_the_trained_model_and_equals_plain_save_pret
             same_files(folder, reference)
 
 
-@pytest.mark.parametrize("world_size", sorted(SAVES))
+@pytest.mark.parametrize("world_size", SAVED_WORLD_SIZES)
 def test_each_rank_writes_its_share_runs_no_collective_and_stays_in_the_staging_budget(workdir, world_size):
     from hf_zero3_loader.checkpoint import open_checkpoint
 

@@ -81,6 +81,7 @@ def test_two_nodes_only_the_first_with_the_files(ckpts, workdir):
         assert dump["ranks"][1]["report"]["stream"]["receives_from"] == 0
 
 
+@pytest.mark.sweep
 def test_a_variant_checkpoint_streams(ckpts, workdir):
     """`variant=`: the reader finds the files transformers picks for it (model.ema-0000k-of-0000n.safetensors and
     model.safetensors.index.ema.json), so the rank without them is streamed its share."""
@@ -131,6 +132,7 @@ def test_a_reader_hands_over_small_files_but_no_other_weights(tmp_path):
     assert list(bundle["weights"]) == ["model.safetensors"]
 
 
+@pytest.mark.sweep
 def test_three_nodes_two_without_files_sizes_that_do_not_divide(ckpts, workdir):
     cases = [{"name": "w3", "path_by_node": {"0": ckpts["mixtral"], "1": NOWHERE, "2": NOWHERE},
               "dtype": "float16", "kwargs": {"stream_chunk_bytes": CHUNK}, "out": os.path.join(workdir, "stream_w3.pt")}]
