@@ -617,8 +617,13 @@ def inject_save_fault(case: dict):
     return undo
 
 
-def run_cases(cases: list[dict]) -> None:
-    """Each case in turn on every rank; rank 0 writes each case's `out` (after every rank wrote its own, if asked)."""
+FAILED = ("error", "save_error", "initialize_error", "adapter_error")
+
+
+def run_cases(cases: list[dict]) -> bool:
+    """Each case in turn on every rank; rank 0 writes each case's `out` (after every rank wrote its own, if asked).
+    Returns whether any rank failed any case (the same answer on every rank)."""
+    failed = False
     for case in cases:
         print(f"[dist_worker] rank {dist.get_rank()}: case {case.get('name', case['out'])}", flush=True)
         result = run_case(case)
@@ -628,23 +633,25 @@ def run_cases(cases: list[dict]) -> None:
         results = [None] * dist.get_world_size()
         keep = (lambda k: True) if case.get("all_ranks_state") else (lambda k: k not in ("state", "trained_state"))
         dist.all_gather_object(results, {k: v for k, v in result.items() if keep(k)})
+        failed = failed or any(key in r for r in results for key in FAILED)
         if dist.get_rank() == 0:
             torch.save({"rank0": result, "ranks": results}, case["out"])
         dist.barrier()
+    return failed
 
 
 # What a case may leave behind in its process that would change a later case's run: transformers' from_pretrained
 # routed through the loader (`hf_zero3_loader.auto`), zero.Init's process-wide replacement of `F.linear` (an upstream
 # load), a patched loader internal (fault injection), a lowered descriptor limit, ranks that made different calls
-# (`*_by_rank`: their loads' agreement points no longer pair up). A pool that ran such a case retires. (A case that
-# failed alike on every rank leaves the ranks paired: the agreement failed them at the same point.)
+# (`*_by_rank`: their loads' agreement points no longer pair up) or a case that failed (seen: a later load's weight
+# conversion no longer matched its checkpoint in the same process). A pool that ran such a case retires.
 LEAVES_STATE = ("upstream", "callers_zero_init", "inject", "save_inject", "max_open_files")
 FRESH_SEED = torch.initial_seed()  # the seed a new process starts from
 FRESH_LINEAR = torch.nn.functional.linear
 
 
-def leaves_state(cases: list[dict]) -> bool:
-    return (any(key in case for case in cases for key in LEAVES_STATE)
+def leaves_state(cases: list[dict], failed: bool) -> bool:
+    return (failed or any(key in case for case in cases for key in LEAVES_STATE)
             or any(key.endswith("_by_rank") for case in cases for key in case)
             or any(case.get("save", {}).get("direct") for case in cases)
             or "hf_zero3_loader.auto" in sys.modules or torch.nn.functional.linear is not FRESH_LINEAR)
@@ -681,8 +688,8 @@ def serve(folder: str) -> None:
         with open(request) as f:
             cases = json.load(f)
         torch.manual_seed(FRESH_SEED)
-        run_cases(cases)
-        retire = [leaves_state(cases)]
+        failed = run_cases(cases)
+        retire = [leaves_state(cases, failed)]
         dist.broadcast_object_list(retire, src=0)  # rank 0's word, so that all ranks retire together
         dist.barrier()
         if dist.get_rank() == 0:

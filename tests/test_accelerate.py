@@ -86,6 +86,7 @@ def test_accelerate_launch_with_expert_parallel_in_the_config_file_trains(workdi
     assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in plain.items()}
 
 
+@pytest.mark.sweep
 def test_accelerates_documented_save_with_a_gathered_state_dict_writes_as_without_the_import(workdir):
     """accelerate's documented ZeRO-3 save (`save_pretrained(..., state_dict=accelerator.get_state_dict(model))`, as
     transformers' `run_*_no_trainer.py` examples save): the state dict is gathered on rank 0 and None on the others,

@@ -259,8 +259,8 @@ def with_missing(workdir):
                               lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
 
 
-@pytest.mark.parametrize("kind", ["die_in_read", "stop_in_read", *(pytest.param(k, marks=pytest.mark.sweep)
-                                                                 for k in ("die_in_finalize", "stop_in_finalize"))])
+@pytest.mark.parametrize("kind", ["die_in_read", *(pytest.param(k, marks=pytest.mark.sweep)
+                                                    for k in ("stop_in_read", "die_in_finalize", "stop_in_finalize"))])
 def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missing, workdir, kind):
     case = {"name": kind, "path": with_missing, "dtype": "float32", "kwargs": {"liveness_timeout_s": LIVENESS_S},
             "inject": {"rank": 1, "kind": kind}, "out": os.path.join(workdir, f"live_{kind}.pt")}
@@ -311,6 +311,7 @@ def test_a_slow_but_live_rank_is_waited_for(workdir):
     assert notes and "(1 of 2 are there)" in notes[0] and "not started" not in notes[0], ranks[0]["warnings"]
 
 
+@pytest.mark.sweep
 def test_a_rank_that_never_joins_is_named_while_waited_for_and_fails_the_load(workdir):
     """Rank 1 given a ZeRO-2 config loads without ZeRO-3 and never joins: rank 0 names it while it waits, and fails
     with the reason when the join timeout ends (a rank-0-only call looks the same)."""

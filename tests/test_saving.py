@@ -167,6 +167,7 @@ def _buffer_bytes(files, case) -> int:
     return sum(e.nbytes for k, e in entries.items() if k in buffers)
 
 
+@pytest.mark.sweep
 def test_a_failing_or_dead_rank_leaves_no_checkpoint_and_every_rank_raises_the_same_error(workdir):
     parent = os.path.join(workdir, "saved_faults")
     os.makedirs(parent, exist_ok=True)

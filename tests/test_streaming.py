@@ -141,6 +141,7 @@ def test_three_nodes_two_without_files_sizes_that_do_not_divide(ckpts, workdir):
     assert dump["ranks"][0]["report"]["stream"]["streams_to"] == [1, 2]
 
 
+@pytest.mark.sweep
 def test_four_ranks_mixed_and_one_reader_per_node(ckpts, workdir):
     """Mixed: node 0's two ranks read, node 1's two receive (one from each reader). Stream mode with a copy on each
     node: one reader per node, each serving its node, each node's copy read once between them."""
