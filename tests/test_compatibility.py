@@ -5,7 +5,6 @@ simulated with HF_ZERO3_LOADER_SIMULATE_MISSING_HOOK (test-only), set for the ra
 
 from __future__ import annotations
 
-import logging
 import os
 
 import pytest
@@ -15,25 +14,13 @@ from hf_zero3_loader import compat
 from hf_zero3_loader._hooks import SIMULATE_ENV, Hook
 from tests.checkpoints import make_checkpoint
 from tests.conftest import run_torchrun
-from tests.dist_worker import ds_config_for
-
-
-class _Captured(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
+from tests.dist_worker import CapturedWarnings, ds_config_for
 
 
 @pytest.fixture
 def captured():
-    handler = _Captured()
-    logger = logging.getLogger("hf_zero3_loader")
-    logger.addHandler(handler)
-    yield handler.messages
-    logger.removeHandler(handler)
+    with CapturedWarnings() as handler:  # the package logger's warnings, as the ranks capture them
+        yield handler.messages
 
 
 @pytest.fixture
