@@ -99,8 +99,17 @@ def rng_digest() -> str:
     return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
-def initialize(model, ds_config: dict, result: dict):
-    """deepspeed.initialize, counting the collectives it issues (into `result["init_collectives"]`)."""
+def next_deepep_scope() -> int:
+    """The DeepEP sharing scope AutoEP's next `AutoEP` object takes (a process-wide counter, read without taking one)."""
+    from deepspeed.module_inject import auto_ep_comm
+
+    return int(repr(auto_ep_comm._SCOPE_COUNTER)[len("count("):-1])
+
+
+def initialize(model, ds_config: dict, result: dict, autoep_fields: bool = False):
+    """deepspeed.initialize, counting the collectives it issues (into `result["init_collectives"]`); with
+    `autoep_fields`, what `describe_autoep_layers` says of the model as `initialize` leaves it (before `train()`), and
+    how many DeepEP sharing scopes the case took by then (from `result["scope_at_start"]`)."""
     import deepspeed
 
     result["rng_before_initialize"] = rng_digest()
@@ -109,11 +118,97 @@ def initialize(model, ds_config: dict, result: dict):
                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
     result["init_collectives"] = {"calls": counter.calls, "bytes": counter.bytes, "largest": counter.largest}
     result["rng_after_initialize"] = rng_digest()
+    if autoep_fields:
+        result["autoep_fields"] = describe_autoep_layers(model, result["scope_at_start"])
+        result["scopes_taken"] = next_deepep_scope() - result["scope_at_start"]
     engine.train()
     return engine
 
 
-def train_losses(engine, steps: int, vocab: int, seed: int = 1234, seq_len: int = 12) -> list[float]:
+# the loader's own marks on the AutoEP layers it builds (`_deepspeed_private.BUILT_BY_LOADER`,
+# `expert_parallel.BUILT_WITH`): not DeepSpeed's, so not compared
+LOADER_TAGS = ("_hf_zero3_loader_built", "_hf_zero3_loader_autoep_section")
+# ZeRO-3's per-parameter bookkeeping: its counter and closures differ by construction order, not by what they mean
+PARAM_BOOKKEEPING = ("ds_id", "ds_tensor", "all_gather", "all_gather_coalesced", "partition", "reduce_gradients_at_owner",
+                     "partition_gradients", "aligned_size", "padding_size", "partition_numel", "item_override",
+                     "convert_to_zero_parameters", "ds_summary", "nvme_swapper", "ds_process_group",
+                     "ds_zero_partition_process_group", "comm", "data")
+
+
+def _describe(value, depth: int = 0):
+    """A comparable picture of an attribute: plain values as they are, tensors by dtype, shape and values, process
+    groups by their ranks, modules by class (each described on its own), other objects by their fields."""
+    import dataclasses
+    import enum
+
+    if isinstance(value, torch.Tensor):
+        data = None if value.is_meta or value.numel() > 100_000 else value.detach().float().cpu().tolist()
+        return ("tensor", str(value.dtype), tuple(value.shape), data)
+    if value is None or isinstance(value, (bool, int, float, str, enum.Enum)):
+        return value
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_describe(v, depth + 1) for v in value]
+        return (type(value).__name__, sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items)
+    if isinstance(value, dict):
+        return {str(k): _describe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, torch.nn.Module):
+        return ("module", type(value).__qualname__)
+    if isinstance(value, dist.ProcessGroup):
+        return ("group", tuple(dist.get_process_group_ranks(value)))
+    if isinstance(value, type):
+        return ("class", value.__qualname__)
+    if callable(value) and not hasattr(value, "__dict__") or type(value).__name__ in ("function", "method"):
+        return ("callable", getattr(value, "__qualname__", type(value).__name__))
+    if dataclasses.is_dataclass(value) and depth < 4:
+        return (type(value).__qualname__, {f.name: _describe(getattr(value, f.name), depth + 1)
+                                           for f in dataclasses.fields(value)})
+    if hasattr(value, "__dict__") and depth < 4:
+        return (type(value).__qualname__, {k: _describe(v, depth + 1) for k, v in vars(value).items()})
+    return ("object", type(value).__qualname__)
+
+
+def describe_autoep_layers(model, scope_at_start: int) -> dict:
+    """Every AutoEP layer of `model` and each module inside it, field by field: class, `training`, every other
+    attribute (`vars()`, hooks by count), buffers with their values, and each parameter's dtype, shape and tags
+    (ZeRO-3's bookkeeping left out). Compares the loader's layers with engine-side AutoEP's. Process-wide counters
+    count from where this case found them: `deepep_scope` from `scope_at_start`, a module's ZeRO-3 `ds_id` from the
+    model's (the engine numbers modules from a counter every engine of the process shares)."""
+    import enum
+
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    described = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, AutoEPMoELayer):
+            continue
+        for sub, module in layer.named_modules():
+            fields = {}
+            for key, value in vars(module).items():
+                if key in ("_parameters", "_buffers", "_modules") or key in LOADER_TAGS:
+                    continue
+                if key.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called")) and isinstance(value, dict):
+                    fields[key] = ("hooks", len(value))
+                elif key == "deepep_scope" and isinstance(value, int):
+                    fields[key] = ("scope", value - scope_at_start)
+                elif key == "ds_id" and hasattr(model, "ds_id"):
+                    fields[key] = ("module id", value - model.ds_id)
+                else:
+                    fields[key] = _describe(value)
+            buffers = {b: _describe(t) for b, t in module._buffers.items()}
+            params = {p: ("param", str(t.dtype), tuple(getattr(t, "ds_shape", t.shape)), t.requires_grad,
+                          {k: _describe(v) for k, v in vars(t).items() if k not in PARAM_BOOKKEEPING
+                           and (v is None or isinstance(v, (bool, int, float, str, enum.Enum, dist.ProcessGroup)))})
+                      for p, t in module._parameters.items() if t is not None}
+            described[f"{name}.{sub}" if sub else name] = {"class": type(module).__qualname__, "fields": fields,
+                                                           "buffers": buffers, "params": params}
+    return described
+
+
+def train_losses(engine, steps: int, vocab: int, seed: int = 1234, seq_len: int = 12,
+                 first_output: dict | None = None) -> list[float]:
+    """`first_output`: a dict that gets the first step's logits (the forward output before any step), as "logits"."""
     g = torch.Generator().manual_seed(seed)
     losses = []
     module = getattr(engine, "module", engine)
@@ -121,6 +216,8 @@ def train_losses(engine, steps: int, vocab: int, seed: int = 1234, seq_len: int 
     for _ in range(steps):
         ids = torch.randint(0, vocab, (1, seq_len), generator=g).to(engine.device)
         out = engine(input_ids=ids, labels=ids[:, 0] % module.config.num_labels if classifier else ids)
+        if first_output is not None and not losses:
+            first_output["logits"] = out.logits.detach().cpu().clone()
         engine.backward(out.loss)
         engine.step()
         losses.append(out.loss.item())
@@ -344,7 +441,11 @@ def run_case(case: dict) -> dict:
     if "state_dict" in case:  # from_pretrained(None, config=..., state_dict=...) instead of the folder
         model_class, kwargs = state_dict_call(case, model_class, kwargs)
         case = {**case, "path": None}
-    result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    result: dict = {"rank": dist.get_rank(), "world_size": dist.get_world_size(),
+                    # whether the case found torch's own F.linear (not DeepSpeed's, from an earlier case's load)
+                    "fresh_linear_at_start": torch.nn.functional.linear is FRESH_LINEAR}
+    if case.get("autoep_fields"):
+        result["scope_at_start"] = next_deepep_scope()
     if "seed" in case:
         torch.manual_seed(case["seed"])
     undo_fault = inject_fault(case)
@@ -473,7 +574,8 @@ def run_case(case: dict) -> dict:
     if case.get("train_steps"):
         try:
             with warnings:  # the config given to deepspeed.initialize: the load's, unless the case gives another
-                engine = initialize(model, case.get("initialize_ds_config", ds_config), result)
+                engine = initialize(model, case.get("initialize_ds_config", ds_config), result,
+                                    autoep_fields=case.get("autoep_fields", False))
         except Exception as e:
             if not case.get("expect_initialize_error"):
                 raise
@@ -481,7 +583,7 @@ def run_case(case: dict) -> dict:
             return result
         seed = 1234 + (dist.get_rank() if case.get("rank_inputs") else 0)  # per-rank batches route differently
         result["losses"] = train_losses(engine, case["train_steps"], model.config.get_text_config().vocab_size, seed,
-                                        case.get("seq_len", 12))
+                                        case.get("seq_len", 12), first_output=result if case.get("forward_output") else None)
         result["partition_groups"] = partition_groups(model)
         if case.get("peft_save"):  # PEFT's own save_pretrained of the trained adapter, on every rank (an on_save callback)
             import deepspeed
@@ -641,13 +743,28 @@ def run_cases(cases: list[dict]) -> bool:
 
 
 # What a case may leave behind in its process that would change a later case's run: transformers' from_pretrained
-# routed through the loader (`hf_zero3_loader.auto`), zero.Init's process-wide replacement of `F.linear` (an upstream
-# load), a patched loader internal (fault injection), a lowered descriptor limit, ranks that made different calls
-# (`*_by_rank`: their loads' agreement points no longer pair up) or a case that failed (seen: a later load's weight
-# conversion no longer matched its checkpoint in the same process). A pool that ran such a case retires.
+# routed through the loader (`hf_zero3_loader.auto`), an upstream load (transformers' own ZeRO-3 path), a patched
+# loader internal (fault injection), a lowered descriptor limit, ranks that made different calls (`*_by_rank`: their
+# loads' agreement points no longer pair up), a case that failed (seen: a later load's weight conversion no longer
+# matched its checkpoint in the same process), or an `F.linear` replaced by something else than DeepSpeed's
+# memory-efficient linear (which `put_fresh_linear_back` undoes). A pool that ran such a case retires.
 LEAVES_STATE = ("upstream", "callers_zero_init", "inject", "save_inject", "max_open_files")
 FRESH_SEED = torch.initial_seed()  # the seed a new process starts from
 FRESH_LINEAR = torch.nn.functional.linear
+
+
+def put_fresh_linear_back() -> None:
+    """Every ZeRO-3 load (the loader's, as `zero.Init`'s) replaces `torch.nn.functional.linear` with DeepSpeed's
+    memory-efficient linear for the rest of the process (`zero3_linear_wrap`, keeping torch's as `linear_bk`). A new
+    process has torch's: put it back between requests, so the next request computes as a fresh launch would (and
+    its own ZeRO-3 load replaces it again) and the pool lives on. Only that replacement, over this process's own
+    `F.linear`, is undone; any other leaves `F.linear` changed, and the pool retires (`leaves_state`)."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    if (torch.nn.functional.linear is zero3_linear_wrap
+            and getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None) is FRESH_LINEAR):
+        torch.nn.functional.linear = FRESH_LINEAR
 
 
 def leaves_state(cases: list[dict], failed: bool) -> bool:
@@ -689,6 +806,7 @@ def serve(folder: str) -> None:
             cases = json.load(f)
         torch.manual_seed(FRESH_SEED)
         failed = run_cases(cases)
+        put_fresh_linear_back()
         retire = [leaves_state(cases, failed)]
         dist.broadcast_object_list(retire, src=0)  # rank 0's word, so that all ranks retire together
         dist.barrier()
