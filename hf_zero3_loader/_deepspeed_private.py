@@ -12,6 +12,14 @@ ZeRO-3 parameters without `zero.Init` (`zero3.py`):
   load; `shutdown_init_context` / `restore_init_context` (what `deepspeed.initialize` uses) pause its patching.
 - `param.ds_zero_partition_process_group`, set before the conversion, is the group the parameter is partitioned over
   (AutoEP expert parameters: their expert-data-parallel group).
+- DeepSpeed's memory-efficient linear (`zero_optimization.memory_efficient_linear`, default true): an entered
+  `zero.Init` (`InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear`, keyed on `Init.enabled` and
+  `Init.mem_efficient_linear`) replaces `torch.nn.functional.linear` with `linear.zero3_linear_wrap` for the rest of
+  the process (DeepSpeed never puts it back; the original is kept as `linear_bk`), and so does `deepspeed.initialize`
+  for a model not built by `zero.Init`. Its forward is a matmul, then the bias added as a separate step (fused for
+  2-D inputs): a biased layer rounds otherwise than torch's fused linear. The loader's un-entered `Init` patches
+  nothing, and the engine does not replace it for a model whose every parameter is already ZeRO-3's, so
+  `use_memory_efficient_linear` does what entering it would have done.
 - NVMe parameter offload (`offload_param: {device: nvme}`): `Init.param_swapper` (an `AsyncPartitionedParameterSwapper`,
   attached to every converted param as `nvme_swapper`); a partition goes out as `Init._partition_param` sends it:
   `get_buffer` (one of its `buffer_count` pinned buffers), the values copied in, `ds_tensor.final_location = nvme`,
@@ -40,12 +48,15 @@ Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_e
   (`DeepSpeedEngine._resolve_zero3_param_placement`), so the optimizer's sub-groups, and the checkpoints that record
   them, are engine-side AutoEP's;
 - `module_inject.auto_ep.AutoEP(model, cfg).ep_parser()` / `replace_moe_layers(...)` swap transformers' MoE blocks for
-  `AutoEPMoELayer`s; under a meta device nothing is allocated or gathered;
+  `AutoEPMoELayer`s; under a meta device nothing is allocated or gathered. One `AutoEP` per model, as the engine
+  makes one: each takes a DeepEP sharing scope (`auto_ep_comm.new_exchange_scope`, a process-wide counter) that its
+  layers keep as `deepep_scope`;
 - `DeepSpeedEngine._configure_expert_parallel` is wrapped so that a model whose MoE blocks we already replaced is not
   parsed again (the parser finds no transformers MoE block in it and raises): the engine still builds its groups
-  and folding spec, and re-tags optimizer flags as it does after its own replacement; it also makes the random
-  draws the replacement makes (each router gate's `nn.Linear` init), so the global RNG leaves `initialize` as it does
-  under engine-side AutoEP.
+  and folding spec, and re-tags optimizer flags as it does after its own replacement; its `AutoEP` takes no sharing
+  scope; the modules the replacement built leave in training mode, as the engine's own leave (it builds them after
+  `from_pretrained`'s `eval()`); and it makes the random draws the replacement makes (each router gate's `nn.Linear`
+  init), so the global RNG leaves `initialize` as it does under engine-side AutoEP.
 - AutoEP's presets call `_CAN_RECORD_REGISTRY.get(key, default)`; transformers 5.23's registry `get` takes one
   argument. `allow_registry_get_default` widens it to accept the dict signature for string keys.
 """
@@ -85,6 +96,9 @@ HOOKS = (
     Hook(f"{_PP}:Init", (LOAD, SAVE), source=("self.local_device", "self.remote_device", "self.ds_process_group",
                                               "self.pin_memory", "self.param_swapper")),
     Hook(_PP, (LOAD, SAVE), source=_PARAM_FIELDS),  # the fields of a converted parameter
+    Hook(f"{_PP}:Init._enable_mem_efficient_linear", (LOAD,), params=("self",), exact=True),
+    Hook(f"{_PP}:InsertPostInitMethodToModuleSubClasses", (LOAD,), source=("self.enabled", "self.mem_efficient_linear")),
+    Hook("deepspeed.runtime.zero.linear:zero3_linear_wrap", (LOAD,), params=("input", "weight", "bias")),
     Hook(f"{_PP}:PartitionedParamStatus.AVAILABLE", (LOAD, SAVE)),
     Hook(f"{_PP}:PartitionedParamStatus.NOT_AVAILABLE", (LOAD, SAVE)),
     Hook(f"{_PP}:ZeroParamStatus.NOT_AVAILABLE", (LOAD, SAVE)),
@@ -107,6 +121,9 @@ HOOKS = (
     Hook("deepspeed.ops.op_builder.builder:OpBuilder._loaded_ops"),
     # expert parallelism: AutoEP run on the meta skeleton, the engine's groups, the engine's acceptance
     Hook("deepspeed.module_inject.auto_ep:AutoEP.__init__", (EP,), params=("self", "model", "config")),
+    Hook("deepspeed.module_inject.auto_ep:AutoEP", (EP,), source=("self.model", "self.deepep_scope = new_exchange_scope()",
+                                                                  "from deepspeed.module_inject.auto_ep_comm import new_exchange_scope")),
+    Hook("deepspeed.module_inject.auto_ep_comm:new_exchange_scope", (EP,)),
     Hook("deepspeed.module_inject.auto_ep:AutoEP.ep_parser", (EP,), params=("self",)),
     Hook("deepspeed.module_inject.auto_ep:AutoEP.replace_moe_layers", (EP,), params=("self", "specs"),
          keywords=("ep_size", "ep_rank")),
@@ -199,6 +216,19 @@ class ZeroParamFactory:
         self.remote_device = torch.device(remote) if remote not in ("None", "none") else self.local_device
         # `offload_param.pin_memory`, as zero.Init resolved it (False unless the partitions are offloaded)
         self.pin_memory = bool(getattr(self._init, "pin_memory", False))
+
+    def use_memory_efficient_linear(self) -> bool:
+        """What entering this `zero.Init` would do to `torch.nn.functional.linear`: when the config asks for DeepSpeed's
+        memory-efficient linear (`zero_optimization.memory_efficient_linear`, default true), replace it with
+        `zero3_linear_wrap` (once; DeepSpeed keeps the original as `linear_bk`), and leave it replaced, as `zero.Init`
+        leaves it. Every ZeRO-3 load of transformers' own path runs under that replacement (it builds the model inside
+        `zero.Init`), and so does a model `deepspeed.initialize` partitions itself; a biased linear layer (Qwen2's
+        q/k/v) rounds differently without it. Returns whether it is in place."""
+        init = self._init
+        if init.enabled and init.mem_efficient_linear:
+            init._enable_mem_efficient_linear()  # a no-op when it is already replaced
+            return True
+        return False
 
     @property
     def default_group(self):
@@ -415,12 +445,20 @@ def engine_replicated_group():
     return groups._get_sequence_data_parallel_group()
 
 
-def detect_moe_layers(model: torch.nn.Module, autoep_config) -> list:
-    """AutoEP's own detection (`MoELayerSpec`s), run on the meta skeleton."""
+def autoep_for(model: torch.nn.Module, autoep_config):
+    """DeepSpeed's `AutoEP` for `model`: one per model, as the engine makes one. Each takes the next DeepEP sharing
+    scope (`auto_ep_comm.new_exchange_scope`, a process-wide counter) and hands it to every layer it builds
+    (`deepep_scope`), so one object detects and replaces: the layers get the scope engine-side AutoEP gives them."""
     from deepspeed.module_inject.auto_ep import AutoEP
 
     allow_registry_get_default()
-    return AutoEP(model, autoep_config).ep_parser()
+    return AutoEP(model, autoep_config)
+
+
+def detect_moe_layers(autoep) -> list:
+    """AutoEP's own detection (`MoELayerSpec`s), run on the meta skeleton."""
+    allow_registry_get_default()
+    return autoep.ep_parser()
 
 
 def autoep_layer_patterns(model: torch.nn.Module, autoep_config) -> list[str]:
@@ -434,13 +472,26 @@ def autoep_layer_patterns(model: torch.nn.Module, autoep_config) -> list[str]:
         return []
 
 
-def replace_moe_layers(model: torch.nn.Module, autoep_config, specs: list, ep_size: int, ep_rank: int) -> None:
-    """AutoEP's own replacement, on meta: each layer's router and local expert slices are meta copies."""
-    from deepspeed.module_inject.auto_ep import AutoEP
+# the modules AutoEP's replacement built (each layer, its router, gate and experts), as opposed to the transformers
+# modules it moved into a layer (shared experts and their gate): engine-side AutoEP builds them at
+# `deepspeed.initialize`, after `from_pretrained` put the model in eval mode, so they train (`training=True`)
+_BUILT_BY_REPLACEMENT: weakref.WeakSet = weakref.WeakSet()
 
+
+def replace_moe_layers(autoep, specs: list, ep_size: int, ep_rank: int) -> None:
+    """AutoEP's own replacement, on meta: each layer's router and local expert slices are meta copies."""
     allow_registry_get_default()
+    # the modules themselves are held until the end: an id is only an identity while its object lives, and the
+    # replaced blocks' modules are freed as it goes, so a new module can take the id of one
+    before = list(autoep.model.modules())
+    ids_before = {id(m) for m in before}
     with torch.device("meta"):
-        AutoEP(model, autoep_config).replace_moe_layers(specs, ep_size=ep_size, ep_rank=ep_rank)
+        autoep.replace_moe_layers(specs, ep_size=ep_size, ep_rank=ep_rank)
+    layer_class = autoep_layer_class()
+    for layer in autoep.model.modules():
+        if isinstance(layer, layer_class):
+            _BUILT_BY_REPLACEMENT.update(m for m in layer.modules() if id(m) not in ids_before)
+    del before
 
 
 def autoep_layer_class():
@@ -501,15 +552,20 @@ def allow_registry_get_default() -> None:
 
 
 @contextmanager
-def _no_moe_layers_to_parse():
+def _no_moe_layers_to_parse(scope: int):
+    """The engine's `AutoEP` finds nothing to replace, and takes no DeepEP sharing scope of its own: the model's
+    layers hold theirs (`scope`, taken at the load), so the next model converted gets the scope it gets after
+    engine-side AutoEP."""
+    from deepspeed.module_inject import auto_ep_comm
     from deepspeed.module_inject.auto_ep import AutoEP
 
-    saved = AutoEP.ep_parser
+    saved, saved_scope = AutoEP.ep_parser, auto_ep_comm.new_exchange_scope
     AutoEP.ep_parser = lambda self: []
+    auto_ep_comm.new_exchange_scope = lambda: scope
     try:
         yield
     finally:
-        AutoEP.ep_parser = saved
+        AutoEP.ep_parser, auto_ep_comm.new_exchange_scope = saved, saved_scope
 
 
 _engine_wrapped = False
@@ -541,8 +597,9 @@ def let_engine_accept_replaced_layers(check=None) -> None:
         config = self._config.expert_parallel_config
         for check in _engine_checks:
             check(model, config)
-        with _no_moe_layers_to_parse():
+        with _no_moe_layers_to_parse(ours[0].deepep_scope):
             result = original(self, model, collect_sources)
+        _train_as_built_at_initialize(ours)
         _advance_rng_as_autoep_replacement(ours)  # also when EP was asked of the load only (`ep_size=`): one run
         if config is not None and config.enabled:
             from deepspeed import set_optimizer_flags
@@ -552,6 +609,17 @@ def let_engine_accept_replaced_layers(check=None) -> None:
 
     DeepSpeedEngine._configure_expert_parallel = configure_expert_parallel
     _engine_wrapped = True
+
+
+def _train_as_built_at_initialize(layers: list) -> None:
+    """Engine-side AutoEP builds its layers inside `deepspeed.initialize`, after `from_pretrained` put the model in
+    eval mode: the modules it builds leave `initialize` in training mode, the transformers modules it moved into them
+    (shared experts) in the mode the model was in. The loader built them before `from_pretrained`'s `eval()`: the same
+    modules are put in training mode here, each on its own (`train()` would also switch the moved ones)."""
+    for layer in layers:
+        for module in layer.modules():
+            if module in _BUILT_BY_REPLACEMENT:
+                module.training = True
 
 
 def _advance_rng_as_autoep_replacement(layers: list) -> None:

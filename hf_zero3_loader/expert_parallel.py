@@ -418,8 +418,9 @@ class ExpertParallelLayout:
                 f"patterns (expert_parallel.moe_layer_pattern, router_pattern, expert_pattern, ...)")
         section = _section_for_unwrapped_model(model, request.autoep_section)
         autoep_config = ds_private.parse_autoep_section(section)
+        autoep = ds_private.autoep_for(model, autoep_config)  # one per model: it detects and replaces
         try:
-            specs = ds_private.detect_moe_layers(model, autoep_config)
+            specs = ds_private.detect_moe_layers(autoep)
         except ValueError as e:
             raise ConfigError(f"DeepSpeed AutoEP cannot take this {model_type} model: {e}"
                               + _layer_pattern_hint(model, section, autoep_config) + _top_k_hint(model, e)
@@ -447,7 +448,7 @@ class ExpertParallelLayout:
             layout.boxes_by_ep_rank[ep_rank] = {k: v for spec in specs for k, v in layout._boxes_for(model, spec, local).items()}
         boxes = layout.boxes_by_ep_rank[groups.ep_rank]
         layout.replaced_classes = {type(model.get_submodule(name)).__name__ for name in layout.layers}
-        ds_private.replace_moe_layers(model, autoep_config, specs, request.ep_size, groups.ep_rank)
+        ds_private.replace_moe_layers(autoep, specs, request.ep_size, groups.ep_rank)
         layer_class = ds_private.autoep_layer_class()
         for name in layout.layers:
             layer = model.get_submodule(name)

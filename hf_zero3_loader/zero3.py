@@ -19,6 +19,9 @@ from .planner.plan import WORLD, PartitionGroup, TensorPlan
 class Zero3Partitioner:
     def __init__(self, ds_config: dict):
         self._factory = ZeroParamFactory(ds_config)
+        # the process computes as under `zero.Init` (transformers' ZeRO-3 path builds the model inside it):
+        # DeepSpeed's memory-efficient `F.linear`, when the config asks for it
+        self.memory_efficient_linear = self._factory.use_memory_efficient_linear()
         self.local_device = self._factory.local_device
         self.remote_device = self._factory.remote_device
         self._process_groups = {WORLD: None}  # None: zero.Init's own group
