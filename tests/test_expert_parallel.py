@@ -285,26 +285,74 @@ def test_each_rank_reads_its_share_moves_no_data_and_allocates_no_more_than_a_pa
                 f"partition is {r['report']['largest_partition_numel']}")
 
 
-def _train_cases(workdir: str, family: str, ep: int, world_size: int) -> list[dict]:
+def _train_cases(workdir: str, family: str, ep: int, world_size: int, path: str | None = None,
+                 structure: dict | None = None, zero: dict | None = None, roundtrip: bool = True,
+                 tag: str = "") -> list[dict]:
+    """Ours, then engine-side AutoEP (transformers' own ZeRO-3 load, AutoEP at `deepspeed.initialize`), 3 steps each.
+    Ours runs first, so its load starts with torch's own `F.linear` (a pool's request starts with it): engine-side
+    AutoEP's `zero.Init` replaces it for the rest of the process. `zero`: more of the ZeRO section."""
     from tests.checkpoints import rewrite_checkpoint, transpose_experts
 
-    path = checkpoint(workdir, family)
+    path = path or checkpoint(workdir, family)
     engine_side_path = path
     if family == "qwen3_vl_moe":  # transformers' own ZeRO-3 load does not apply the conversion ops, so it cannot load
         # the released layout (experts transposed): it gets the same values in the model's layout
         engine_side_path = rewrite_checkpoint(path, path + "_model_layout", transpose_experts)
     # every rank on its own tokens, and every parameter gathered and released at each step
-    every_param_gathered = ep_ds_config(ep, family=family)
-    every_param_gathered["zero_optimization"] = dict(NOTHING_PERSISTENT)
-    return [{"name": f"train/{family}/{variant}", "dtype": "bfloat16",
+    every_param_gathered = ep_ds_config(ep, family=family, structure=structure)
+    every_param_gathered["zero_optimization"] = {**NOTHING_PERSISTENT, **(zero or {})}
+    return [{"name": f"train/{family}{tag}/{variant}", "dtype": "bfloat16",
              "path": engine_side_path if variant == "engine-side AutoEP" else path,
              "model_class": EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"),
              "ds_config": every_param_gathered,
              "upstream": variant == "engine-side AutoEP", "train_steps": 3, "seed": 5, "rank_inputs": True,
-             "checkpoint_roundtrip": variant == "ours",
+             "checkpoint_roundtrip": roundtrip and variant == "ours", "forward_output": True, "autoep_fields": True,
              "kwargs": load_kwargs(path) or {"experts_implementation": "eager"},
-             "out": os.path.join(workdir, f"ep_train_w{world_size}_{family}_{variant.split()[0]}.pt")}
+             "out": os.path.join(workdir, f"ep_train_w{world_size}_{family}{tag}_{variant.split()[0]}.pt")}
             for variant in ("ours", "engine-side AutoEP")]
+
+
+def _without_transformers_marks(fields):
+    """`describe_autoep_layers` without transformers' `_is_hf_initialized` marks: the loader's layers hold loaded
+    values when transformers finishes the load, which marks them so (its init then leaves them alone); engine-side
+    AutoEP builds its layers after that. AutoEP does not read the mark."""
+    if isinstance(fields, dict):
+        return {k: _without_transformers_marks(v) for k, v in fields.items() if k != "_is_hf_initialized"}
+    if isinstance(fields, tuple):
+        return tuple(_without_transformers_marks(v) for v in fields)
+    return fields
+
+
+def _differences(ours, theirs, where: str = "") -> list[str]:
+    """Where two `describe_autoep_layers` pictures differ (the first few), for a readable failure."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        found = []
+        for key in sorted(set(ours) | set(theirs)):
+            if key not in ours or key not in theirs:
+                found.append(f"{where}/{key}: only {'ours' if key in ours else 'engine-side'}")
+            else:
+                found += _differences(ours[key], theirs[key], f"{where}/{key}")
+        return found
+    if isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)) and len(ours) == len(theirs):
+        return [d for i, (a, b) in enumerate(zip(ours, theirs)) for d in _differences(a, b, f"{where}[{i}]")]
+    return [] if ours == theirs else [f"{where}: ours {ours!r:.120}, engine-side {theirs!r:.120}"]
+
+
+def assert_trains_as_engine_side_autoep(ours: dict, engine_side: dict, what: str) -> None:
+    """Every rank's first forward output and 3 losses bit for bit engine-side AutoEP's, and the AutoEP layers as
+    `deepspeed.initialize` leaves them equal field by field (mode, every attribute and config value, buffers,
+    parameter tags), the DeepEP sharing scopes taken included."""
+    for dump in (ours, engine_side):
+        assert "error" not in dump["rank0"], f"{what}: {dump['rank0'].get('error', {}).get('traceback')}"
+    for r, e in zip(ours["ranks"], engine_side["ranks"]):
+        assert r["logits"].dtype == e["logits"].dtype and torch.equal(r["logits"], e["logits"]), (
+            f"{what}: the forward output differs on rank {r['rank']}")
+        assert [x.hex() for x in r["losses"]] == [x.hex() for x in e["losses"]], f"{what}: rank {r['rank']}"
+        mine, theirs = _without_transformers_marks(r["autoep_fields"]), _without_transformers_marks(e["autoep_fields"])
+        assert mine and set(mine) == set(theirs), (what, sorted(mine), sorted(theirs))
+        assert mine == theirs, f"{what}, rank {r['rank']}: " + "; ".join(_differences(mine, theirs)[:8])
+        assert r["scopes_taken"] == e["scopes_taken"] == 1, (what, r["scopes_taken"], e["scopes_taken"])
+    assert len(ours["rank0"]["losses"]) == 3 and ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"], what
 
 
 # (world size, family, ep_size): losses vs engine-side AutoEP; GLM-4.5 through the DeepSeek-V3 preset its config names,
@@ -317,10 +365,7 @@ TRAINED_BY_DEFAULT = TRAINED[:2]  # the default tier's; the others are sweep cas
     case if case in TRAINED_BY_DEFAULT else pytest.param(*case, marks=pytest.mark.sweep) for case in TRAINED])
 def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, world_size, family, ep):
     ours, engine_side = run_torchrun(world_size, _train_cases(workdir, family, ep, world_size), workdir)
-    for dump in (ours, engine_side):
-        assert "error" not in dump["rank0"], dump["rank0"].get("error", {}).get("traceback")
-    assert [r["losses"] for r in ours["ranks"]] == [r["losses"] for r in engine_side["ranks"]]
-    assert len(ours["rank0"]["losses"]) == 3 and ours["ranks"][0]["losses"] != ours["ranks"][1]["losses"]
+    assert_trains_as_engine_side_autoep(ours, engine_side, family)
     # the global RNG stands where the plain path leaves it, after the load and after deepspeed.initialize (where
     # engine-side AutoEP draws for each router it builds)
     for when in ("rng_before_initialize", "rng_after_initialize"):
@@ -343,6 +388,60 @@ def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, 
         if fused > largest_other:
             assert fused > max(v for k, v in mine["largest"].items() if "all_gather" in k) / 2, (mine, theirs)
         assert sum(mine["bytes"].values()) < sum(theirs["bytes"].values()), (mine, theirs)
+
+
+# What the released checkpoints set where a family's config default differs: Qwen3-MoE normalises its top-k weights,
+# GLM-4.5 has biased q/k/v and scales its routed experts by 2.5. The defaults are the releases' elsewhere: Qwen2-MoE
+# (biased q/k/v, a gated shared expert, top-k weights not normalised), DeepSeek-V2-Lite (not normalised, ungated
+# shared experts), DeepSeek-V3 (normalised, ungated shared experts), Qwen3.5-MoE (a gated shared expert), OLMoE (not
+# normalised), Mixtral, MiniMax-M2, Granite-MoE (no shared experts).
+RELEASED = {"qwen3_moe": {"norm_topk_prob": True}, "glm4_moe": {"attention_bias": True, "routed_scaling_factor": 2.5}}
+
+
+def released_checkpoint(workdir: str, family: str) -> str:
+    if family not in RELEASED:
+        return checkpoint(workdir, family)
+    config = ep_config(family)
+    for key, value in RELEASED[family].items():
+        setattr(config, key, value)
+    return make_checkpoint(os.path.join(workdir, f"ep_{family}_released"), family, config=config,
+                           model_class=getattr(__import__("transformers"), EP_MODEL_CLASS.get(family, "AutoModelForCausalLM")))
+
+
+# every family with an AutoEP preset, and every one whose config names its structure (a preset, or custom patterns:
+# OLMoE both ways); Qwen2-MoE, whose biased q/k/v once trained otherwise, in the default tier
+AS_ENGINE_SIDE = [*EP_FAMILIES, *EP_NAMED_STRUCTURE, "olmoe/patterns"]
+AS_ENGINE_SIDE_BY_DEFAULT = [(2, "qwen2_moe")]
+
+
+@pytest.mark.parametrize("world_size,family", [
+    case if case in AS_ENGINE_SIDE_BY_DEFAULT else pytest.param(*case, marks=pytest.mark.sweep)
+    for case in [(w, f) for w in (2, 4) for f in AS_ENGINE_SIDE]])
+def test_forward_and_losses_equal_engine_side_autoep_bit_for_bit(workdir, world_size, family):
+    """Each family as its releases route (`RELEASED`), 2 experts per EP group (ep_size 2): the first forward output
+    and 3 losses on every rank bit for bit engine-side AutoEP's, and the AutoEP layers equal field by field after
+    `deepspeed.initialize`. The load computes as transformers' ZeRO-3 path does, under DeepSpeed's memory-efficient
+    `F.linear` (`zero3_linear_wrap`, which `zero.Init` installs: a matmul, then the bias added on its own), so
+    biased layers (Qwen2-MoE's and GLM-4.5's q/k/v) round alike."""
+    family, _, patterns = family.partition("/")
+    structure = OLMOE_EP_PATTERNS if patterns else None
+    cases = _train_cases(workdir, family, 2, world_size, path=released_checkpoint(workdir, family), structure=structure,
+                         roundtrip=False, tag=f"_released{'_patterns' if patterns else ''}")
+    ours, engine_side = run_torchrun(world_size, cases, workdir)
+    assert_trains_as_engine_side_autoep(ours, engine_side, f"{family}{' with patterns' if patterns else ''}")
+    # ours started with torch's own F.linear (nothing in the process had replaced it) and left DeepSpeed's
+    assert ours["rank0"]["fresh_linear_at_start"] and not engine_side["rank0"]["fresh_linear_at_start"]
+
+
+@pytest.mark.sweep
+def test_without_memory_efficient_linear_the_load_keeps_torchs_linear(workdir):
+    """`"memory_efficient_linear": false` in the ZeRO section: `zero.Init` leaves `F.linear` alone, and so does the
+    load; both paths train under torch's own, bit for bit alike."""
+    cases = _train_cases(workdir, "qwen2_moe", 2, 2, zero={"memory_efficient_linear": False}, roundtrip=False,
+                         tag="_torch_linear")
+    ours, engine_side = run_torchrun(2, cases, workdir)
+    assert ours["rank0"]["fresh_linear_at_start"] and engine_side["rank0"]["fresh_linear_at_start"]
+    assert_trains_as_engine_side_autoep(ours, engine_side, "qwen2_moe, memory_efficient_linear false")
 
 
 def test_every_way_of_asking_gives_the_same_load_and_run(workdir):
