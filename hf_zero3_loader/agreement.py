@@ -9,8 +9,9 @@ is the reference, a rank whose value differs records the difference as the error
 
 Liveness, not skew: while a load runs, every rank's `_Heartbeat` thread writes its alive counter to the store every
 second. Rank 0's thread watches every rank, the others watch rank 0; a rank whose counter stops for
-`liveness_timeout_s` (a killed or SIGSTOPped process) gets a verdict that every waiting rank raises. A peer that has
-not started this load yet is waited for up to `join_timeout_s`. Loads are numbered per process and every rank starts
+`liveness_timeout_s` (a SIGSTOPped process, a lost machine) gets a verdict that every waiting rank raises. A killed
+process is seen within a heartbeat period: each rank holds a TCP connection to rank 0 while a load runs, which the
+kernel closes when the process ends (`_Sentinel`). A peer that has not started this load yet is waited for up to `join_timeout_s`. Loads are numbered per process and every rank starts
 one at the same place, so a failed load cannot pair with a retry; a peer in an earlier load is "not started yet".
 
 Collectives of ours (missing-key init, the tied-weights check) run inside `collective_section`: entered only after
@@ -32,6 +33,9 @@ import itertools
 import json
 import math
 import os
+import resource
+import select
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -102,6 +106,179 @@ def resolve_timeout(value, env: str, default: float, what: str) -> float:
                                  "forever)")
     return float(value)
 
+class _Sentinel:
+    """A TCP connection between rank 0 and each other rank, held while a load or save runs. The kernel closes a
+    process's connections when it ends, killed or not, so a rank whose process is gone is seen within a heartbeat
+    period, not after the liveness bound. A stopped process or a machine that lost power or network closes nothing:
+    the liveness bound finds those, and it alone watches a rank that cannot reach rank 0 this way.
+
+    The protocol leaves nothing to timing: each side sends one line when it starts (the other rank: "LOAD:RANK";
+    rank 0: "k" once it counts that rank in) and "bye" before it closes on a normal end, and reads without waiting.
+    A connection that ends without a "bye" after it was counted in (by rank 0), or confirmed (by the other rank),
+    is a process that is gone; one that ends before, or carries another load's number, is dropped unseen. Linux
+    hands over a peer's last bytes before reporting a reset, so a "bye" is never lost to one."""
+
+    BYE = "bye"
+
+    def __init__(self, agreement: "Agreement"):
+        self.a = agreement
+        self.lock = threading.Lock()
+        self.closed = False
+        self.conns: dict[socket.socket, dict] = {}  # each connection: its rank (once known), whether it said bye
+        self.listener = None
+        self.connect_tried = False
+        # rank 0 keeps at most half its descriptor limit for these, so the reads' own descriptors stay available
+        self.capacity = max(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 - 64)
+        if agreement.rank == 0:
+            try:
+                self.listener = socket.create_server(("", 0), backlog=min(agreement.world_size, 4096))
+                self.listener.setblocking(False)
+                port = self.listener.getsockname()[1]
+                agreement.store.set(f"{agreement.prefix}/sentinel", json.dumps([[h, port] for h in _own_addresses()]))
+            except OSError as e:
+                log.debug("no connection to watch the ranks by (%s); the liveness bound watches them", e)
+                self.listener = None
+
+    def watch(self) -> str | None:
+        """A verdict if a watched rank's process is gone, else None (called from the heartbeat thread)."""
+        if self.a.rank != 0 and not self.connect_tried:
+            sock = self._connect()  # outside the lock: `close` never waits on a connection being made
+            if sock is not None:
+                with self.lock:
+                    if self.closed:
+                        _say_bye_and_close(sock, self.BYE)
+                        return None
+                    self.conns[sock] = {"rank": 0, "counted": False, "bye": False, "buffer": ""}
+        with self.lock:
+            if self.closed:
+                return None
+            if self.listener is not None:
+                self._accept()
+            gone = sorted(self._read())
+        if not gone:
+            return None
+        if len(gone) == 1:
+            return f"rank {gone[0]}'s process is gone (its connection to rank {self.a.rank} closed without a goodbye)"
+        return (f"the processes of ranks {', '.join(map(str, gone))} are gone (their connections to rank "
+                f"{self.a.rank} closed without a goodbye)")
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:  # BlockingIOError: none waiting
+                return
+            sock.setblocking(False)
+            self.conns[sock] = {"rank": None, "counted": False, "bye": False, "buffer": ""}
+
+    def _read(self) -> list[int]:
+        """Read what every connection has sent, without waiting; the ranks whose processes are gone."""
+        if not self.conns:
+            return []
+        poll = select.poll()  # not select(): descriptors past 1024 at thousands of ranks
+        by_fd = {sock.fileno(): sock for sock in self.conns}
+        for fd in by_fd:
+            poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        gone = []
+        for fd, _ in poll.poll(0):
+            sock, state = by_fd[fd], self.conns[by_fd[fd]]
+            ended = False
+            try:
+                data = sock.recv(4096)
+                ended = not data
+            except BlockingIOError:
+                data = b""
+            except OSError:  # reset: the bytes before it were read by earlier calls
+                ended = True
+                data = b""
+            state["buffer"] += data.decode(errors="replace")
+            *lines, state["buffer"] = state["buffer"].split("\n")
+            for line in lines:
+                self._take(sock, state, line.strip())
+            if ended or state.get("refused"):
+                if ended and state["counted"] and not state["bye"]:
+                    gone.append(state["rank"])
+                del self.conns[sock]
+                sock.close()
+        return gone
+
+    def _take(self, sock: socket.socket, state: dict, line: str) -> None:
+        if line == self.BYE:
+            state["bye"] = True
+        elif line == "k" and self.a.rank != 0:  # rank 0 of this load counted this rank in
+            state["counted"] = True
+        elif self.a.rank == 0 and state["rank"] is None:
+            try:
+                load_no, rank = (int(x) for x in line.split(":"))
+            except ValueError:
+                return
+            if load_no != self.a.load_no or not 0 < rank < self.a.world_size or state["bye"]:
+                return  # another load's, or already leaving: never counted, dropped unseen when it ends
+            counted = sum(s["counted"] for s in self.conns.values())
+            if counted >= self.capacity:  # closed uncounted: the liveness bound alone watches that rank
+                state["refused"] = True
+                return
+            try:
+                sock.sendall(b"k\n")
+            except OSError:
+                return
+            state["rank"], state["counted"] = rank, True
+
+    def _connect(self) -> socket.socket | None:
+        """This rank's connection to rank 0, once rank 0 has said where it listens; None until then, or if no
+        address of rank 0's answers."""
+        key = f"{self.a.prefix}/sentinel"
+        if not self.a.store.check([key]):
+            return None
+        self.connect_tried = True
+        for host, port in json.loads(self.a.store.get(key)):
+            try:
+                sock = socket.create_connection((host, port), timeout=1.0)
+                sock.sendall(f"{self.a.load_no}:{self.a.rank}\n".encode())
+            except OSError:
+                continue
+            sock.setblocking(False)
+            return sock
+        return None
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            for sock in self.conns:
+                _say_bye_and_close(sock, self.BYE)
+            self.conns.clear()
+            if self.listener is not None:
+                self.listener.close()
+
+
+def _say_bye_and_close(sock: socket.socket, bye: str) -> None:
+    try:
+        sock.setblocking(True)
+        sock.settimeout(0.5)
+        sock.sendall(f"{bye}\n".encode())
+        sock.setblocking(False)
+        while sock.recv(4096):  # unread bytes would turn the close into a reset
+            pass
+    except OSError:
+        pass
+    sock.close()
+
+
+def _own_addresses() -> list[str]:
+    """Addresses other ranks may reach this machine at: the launcher's MASTER_ADDR (rank 0 runs on the first node),
+    then this host's own name and address."""
+    out = []
+    for host in (os.environ.get("MASTER_ADDR"), socket.gethostname()):
+        if host and host not in out:
+            out.append(host)
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+        if address not in out:
+            out.append(address)
+    except OSError:
+        pass
+    return out
+
 
 class _Heartbeat(threading.Thread):
     """Writes this rank's alive counter; rank 0 watches every rank, the others watch rank 0; a verdict is written
@@ -114,6 +291,7 @@ class _Heartbeat(threading.Thread):
         self.stopped = threading.Event()
         self.started_at = time.monotonic()
         self.seen: dict[int, tuple[str, float]] = {}  # rank -> (last value, when it last changed)
+        self.sentinel = _Sentinel(agreement)  # a rank whose process ends is seen at once
 
     def run(self):
         a, seq = self.a, 0
@@ -122,12 +300,19 @@ class _Heartbeat(threading.Thread):
             try:
                 a.store.set(f"{_ALIVE}/{a.rank}", f"{a.load_no}:{seq}")
                 seq += 1
-                verdict = self._watch(watched)
+                verdict = self._watch_sentinel() or self._watch(watched)
                 if verdict:
                     a.store.compare_set(f"{a.prefix}/verdict", "", verdict)
             except Exception:  # the store went away: the waiting side reports it
                 pass
             self.stopped.wait(self.period)
+
+    def _watch_sentinel(self) -> str | None:
+        try:
+            return self.sentinel.watch()
+        except Exception as e:  # the heartbeat goes on: the liveness bound still watches
+            log.debug("watching the ranks' connections failed (%s); the liveness bound watches them", e)
+            return None
 
     def _watch(self, ranks: list[int]) -> str | None:
         a, now = self.a, time.monotonic()
@@ -172,6 +357,7 @@ class Agreement:
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stopped.set()
+            self._heartbeat.sentinel.close()
 
     def _lost(self, phase: str, detail: str, cause=None) -> BaseException:
         return _agreed(errors.DistributedLoadError, f"{detail} during '{phase}'", cause)

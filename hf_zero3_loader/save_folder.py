@@ -140,13 +140,15 @@ class TempFolder:
 
     def publish(self, files: set[str], variant: str | None, remove_stale_shards: bool) -> None:
         """Move the finished files into place: the temporary folder renamed (its unfinished names first given their
-        own), or its files moved into the existing folder with the weights first and config, then the index (or the
-        single weights file) last. An earlier save's weights there go: its numbered shards (as transformers'
-        save_pretrained removes them, `remove_stale_shards`), and its single weights file or index, which
-        transformers leaves; its single file would shadow the new shards on loading."""
+        own), or its files moved one by one into the existing folder, which other files share (a Trainer's
+        output_dir). There the earlier save's completion markers, its index and its single weights file, go first
+        and the new one (the index, or the single weights file) comes last, so a process killed between two moves
+        leaves a folder that fails to load (transformers: no weights file), never old and new shards mixed under
+        one index. The earlier save's numbered shards that this one did not write go too (as transformers'
+        save_pretrained removes them, `remove_stale_shards`)."""
         final, temp = self.final, self.path
-        os.remove(os.path.join(temp, WRITER_FILE))
-        names = {n.removesuffix(UNFINISHED): n for n in os.listdir(temp)}  # final name -> name in the folder
+        # the writer file stays until the end: a save killed while publishing leaves a folder the next one removes
+        names = {n.removesuffix(UNFINISHED): n for n in os.listdir(temp) if n != WRITER_FILE}  # final name -> now
         index, single = with_variant(INDEX_NAMES[0], variant), with_variant(SINGLE_NAMES[0], variant)
         if not self.into_existing:
             for name, now in names.items():
@@ -155,8 +157,12 @@ class TempFolder:
             if os.path.isdir(final) and not os.listdir(final):
                 os.rmdir(final)
             os.rename(temp, final)
+            os.remove(os.path.join(final, WRITER_FILE))
             self.release()
             return
+        for marker in (index, single):  # an earlier save's: transformers would load it, or shadow the new shards
+            if os.path.isfile(os.path.join(final, marker)):
+                os.remove(os.path.join(final, marker))
         last = [n for n in ("config.json", index) if n in names]
         weights = sorted(n for n in names if n in files and n not in last)
         order = weights + sorted(n for n in names if n not in weights and n not in last) + last
@@ -164,16 +170,12 @@ class TempFolder:
             order = [n for n in order if n not in files] + sorted(files)
         for name in order:
             target = os.path.join(final, name)
-            if name == index and os.path.isfile(os.path.join(final, single)):
-                # an earlier save's single file: transformers (and this loader) would load it, not these shards
-                os.remove(os.path.join(final, single))
             if os.path.isdir(target) and not os.path.islink(target):
                 shutil.rmtree(target)
             os.replace(os.path.join(temp, names[name]), target)
         if remove_stale_shards:
             _remove_stale_shards(final, files, variant)
-        if index not in names and os.path.isfile(os.path.join(final, index)):  # an earlier save's, naming its shards
-            os.remove(os.path.join(final, index))
+        os.remove(os.path.join(temp, WRITER_FILE))
         os.rmdir(temp)
         self.release()
 

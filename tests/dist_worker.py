@@ -270,10 +270,15 @@ def inject_fault(case: dict):
                 raise PermissionError(13, "Permission denied", path)
             return real_open(path, *args, **kwargs)
         os.open = denied
-    elif kind in ("die_in_read", "stop_in_read", "slow_read"):
+    elif kind in ("die_in_read", "kill_in_read", "stop_in_read", "slow_read"):
         def run_reads(*args, **kwargs):
             if kind == "die_in_read":
                 os._exit(17)
+            if kind == "kill_in_read":
+                if fault.get("stamp"):  # when it died, for the survivors' delay
+                    with open(fault["stamp"], "w") as f:
+                        f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
             if kind == "stop_in_read":
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(fault.get("seconds", 0))  # slow, but alive: its heartbeat goes on
@@ -493,7 +498,7 @@ def run_case(case: dict) -> dict:
         undo_fault()
         result["error"] = {"type": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
                            "message": str(e), "traceback": traceback.format_exc(),
-                           "seconds": time.monotonic() - started}
+                           "seconds": time.monotonic() - started, "at": time.time()}
         return result
     undo_fault()
     info = None
@@ -710,6 +715,19 @@ def inject_save_fault(case: dict):
 
     if fault["kind"] == "cannot_see_folder":  # another node's filesystem: the writer's folder is not there
         saving._sees_folder = lambda temp, token: (False, f"{temp} is not visible here (injected)")
+    elif fault["kind"] == "die_in_publish":  # the writer killed between two of its moves into the folder
+        real_replace, moves = os.replace, [0]
+
+        def replace(src, dst, *args, **kwargs):
+            if TEMP_MARK in str(src):
+                moves[0] += 1
+                if moves[0] > fault.get("after", 2):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real_replace(src, dst, *args, **kwargs)
+        from hf_zero3_loader.save_folder import TEMP_MARK
+
+        saved.append((os, "replace", real_replace))
+        os.replace = replace
     else:
         writer.FileWriter.write_from = write_from
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from tests.checkpoints import make_checkpoint, rewrite_checkpoint
-from tests.conftest import ROOT, python_path, run_ranks, run_torchrun
+from tests.conftest import ROOT, python_path, run_nodes, run_ranks, run_torchrun
 
 LIVENESS_S = 10  # the tests' liveness bound (default 30 s); detection must come within it plus a margin
 MARGIN_S = 15
@@ -270,9 +271,40 @@ def test_a_dead_or_stopped_rank_is_noticed_within_the_liveness_bound(with_missin
     error = ranks[0]["error"]
     assert "DistributedLoadError" in error["mro"], error
     phase = "read checkpoint" if kind.endswith("read") else "missing-key init"
-    assert "rank 1 stopped answering" in error["message"] and phase in error["message"], error["message"]
+    # a process that ends closes its connection to rank 0: seen at once; a stopped one by its silence
+    said = "rank 1's process is gone" if kind.startswith("die") else "rank 1 stopped answering"
+    assert said in error["message"] and phase in error["message"], error["message"]
     # heartbeats stop; a collective in flight times out at the liveness bound (+5 s) and waits for the verdict
     assert error["seconds"] < LIVENESS_S * 2 + MARGIN_S, error
+
+
+@pytest.mark.parametrize("killed,nproc", [(3, 2), pytest.param(0, 1, marks=pytest.mark.sweep)])
+def test_a_killed_rank_is_reported_by_every_surviving_rank_under_two_launches(with_missing, workdir, killed, nproc):
+    """A rank SIGKILLed mid-load, under two `torchrun --nnodes 2` launches (one per "node"). Its connection to rank 0
+    (or, for rank 0, every rank's connection to it) closes with its process: every rank still running reports that
+    process gone. The liveness bound is set far beyond the test's own timeout, so only the closed connection can
+    have said so. (Its launcher takes the killed rank's node-mates down too; rank 0's node hosts the store, so a
+    survivor may see that go first.)"""
+    stamp = os.path.join(workdir, f"killed_{killed}_{nproc}.time")
+    case = {"name": f"kill rank {killed}", "path": with_missing, "dtype": "float32",
+            "kwargs": {"liveness_timeout_s": 3600}, "inject": {"rank": killed, "kind": "kill_in_read", "stamp": stamp},
+            "out": os.path.join(workdir, f"killed_{killed}_{nproc}.pt")}
+    (ranks,) = run_nodes(2, nproc, [case], workdir, per_rank=True, timeout=240)
+    assert ranks[killed] is None
+    survivors = [r for r in ranks if r is not None]
+    assert survivors and all("error" in r for r in survivors), survivors
+    with open(stamp) as f:
+        killed_at = float(f.read())
+    for r in survivors:
+        error = r["error"]
+        assert "DistributedLoadError" in error["mro"], error
+        message = error["message"]
+        # "rank 3's process is gone", or "the processes of ranks 2, 3 are gone" when its node-mate went with it
+        said_gone = re.search(rf"(rank {killed}'s process|the processes of ranks [0-9, ]*\b{killed}\b[0-9, ]*) "
+                              "(is|are) gone", message)
+        assert said_gone or (killed == 0 and "store stopped answering" in message), message
+        print(f"rank {r['rank']}: reported {error['at'] - killed_at:.2f}s after rank {killed} was killed: "
+              f"{error['message']}")
 
 
 @pytest.mark.sweep

@@ -208,7 +208,10 @@ def test_a_save_killed_on_either_rank_leaves_nothing_loadable_and_the_next_save_
     """A save killed part-way: on the writing rank (rank 0, into an existing checkpoint folder), the folder stays the
     earlier checkpoint, byte for byte, and the temporary folder left beside it holds no file a loader looks for (its
     weights and index are `*.partial`): transformers' plain from_pretrained of it fails, saying there are no weights.
-    The next save into the folder removes it. On another rank (into a new folder): no folder, nothing left."""
+    The next save into the folder removes it. On another rank (into a new folder): no folder, nothing left. Killed
+    while it moves the finished files into the existing folder (which other files share, so they are moved one by
+    one): the folder then holds no checkpoint transformers loads (the old index went first, the new one comes last),
+    never old and new shards under one index; the next save removes the temporary folder and publishes whole."""
     from transformers import AutoModelForCausalLM
 
     parent = os.path.join(workdir, "saved_killed")
@@ -238,10 +241,21 @@ def test_a_save_killed_on_either_rank_leaves_nothing_loadable_and_the_next_save_
     with pytest.raises(OSError, match="no file named model.safetensors"):
         AutoModelForCausalLM.from_pretrained(left)
 
+    mid_publish = case("writer_dies_publishing", existing)
+    mid_publish["save_inject"] = {"rank": 0, "kind": "die_in_publish", "after": 2}
+    (publish_died,) = run_ranks(2, [mid_publish], workdir, timeout=300)
+    assert publish_died[0] is None or "save" not in publish_died[0], publish_died[0]
+    assert "DistributedLoadError" in publish_died[1]["save_error"]["mro"], publish_died[1]["save_error"]
+    assert sum(n.endswith(".safetensors") for n in os.listdir(existing)) >= 2  # shards moved in, or left
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(existing)
+    (left_publishing,) = _temp_folders(parent)  # the first killed save's was removed by this one
+    assert left_publishing != left and not os.path.exists(left)
+
     again, other_died = run_ranks(2, [case("next_save", existing), case("other_dies", fresh, dies=1)], workdir,
                                   timeout=300)
     assert all("save_error" not in r for r in again), [r.get("save_error") for r in again]
-    assert not os.path.exists(left)
+    assert not os.path.exists(left_publishing)
     model, info = plain_load(existing)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     state = torch.load(os.path.join(workdir, "save_killed_next_save.pt"), weights_only=False)["rank0"]["state"]
