@@ -391,11 +391,14 @@ def test_training_equals_engine_side_autoep_and_checkpoints_round_trip(workdir, 
 
 
 # What the released checkpoints set where a family's config default differs: Qwen3-MoE normalises its top-k weights,
-# GLM-4.5 has biased q/k/v and scales its routed experts by 2.5. The defaults are the releases' elsewhere: Qwen2-MoE
-# (biased q/k/v, a gated shared expert, top-k weights not normalised), DeepSeek-V2-Lite (not normalised, ungated
-# shared experts), DeepSeek-V3 (normalised, ungated shared experts), Qwen3.5-MoE (a gated shared expert), OLMoE (not
-# normalised), Mixtral, MiniMax-M2, Granite-MoE (no shared experts).
-RELEASED = {"qwen3_moe": {"norm_topk_prob": True}, "glm4_moe": {"attention_bias": True, "routed_scaling_factor": 2.5}}
+# GLM-4.5 has biased q/k/v and scales its routed experts by 2.5, Qwen3.5-MoE has full attention layers between its
+# linear-attention ones (2 small layers of linear attention alone fail transformers' own forward: its cache finds
+# no attention layer). The defaults are the releases' elsewhere: Qwen2-MoE (biased q/k/v, a gated shared expert,
+# top-k weights not normalised), DeepSeek-V2-Lite (not normalised, ungated shared experts), DeepSeek-V3 (normalised,
+# ungated shared experts), Qwen3.5-MoE (a gated shared expert), OLMoE (not normalised), Mixtral, MiniMax-M2,
+# Granite-MoE (no shared experts).
+RELEASED = {"qwen3_moe": {"norm_topk_prob": True}, "glm4_moe": {"attention_bias": True, "routed_scaling_factor": 2.5},
+            "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"]}}
 
 
 def released_checkpoint(workdir: str, family: str) -> str:
