@@ -14,7 +14,9 @@ names their structure, as DeepSpeed's engine-side AutoEP requires (a preset of t
 GLM-4.5 (MoE), MiniMax-M2, Granite-MoE (which no preset fits) and Qwen3-VL-MoE (a vision-language model, loaded
 through its own auto class, whose MoE layers are its language model's), one of them trained against engine-side
 AutoEP.
-Task heads, bare bodies and a LoRA adapter over the loaded model train as engine-side AutoEP does.
+Task heads, bare bodies and a LoRA adapter over the loaded model train as engine-side AutoEP does. Every preset and
+custom-pattern family, routed as its releases route, gives engine-side AutoEP's forward output and losses bit for bit,
+its AutoEP layers equal field by field after `deepspeed.initialize`.
 """
 
 from __future__ import annotations
