@@ -360,6 +360,12 @@ class Agreement:
             self._heartbeat.sentinel.close()
 
     def _lost(self, phase: str, detail: str, cause=None) -> BaseException:
+        """The verdict as every rank raises it: with the phase of the first rank that raised it (a killed peer is
+        reported within a second, while the others may still be one phase apart)."""
+        try:
+            phase = self.store.compare_set(f"{self.prefix}/verdict_phase", "", phase).decode()
+        except Exception:  # the store is gone: this rank's own phase
+            pass
         return _agreed(errors.DistributedLoadError, f"{detail} during '{phase}'", cause)
 
     def _wait(self, key: str, phase: str) -> None:
