@@ -112,11 +112,13 @@ class _Sentinel:
     period, not after the liveness bound. A stopped process or a machine that lost power or network closes nothing:
     the liveness bound finds those, and it alone watches a rank that cannot reach rank 0 this way.
 
-    The protocol leaves nothing to timing: each side sends one line when it starts (the other rank: "LOAD:RANK";
-    rank 0: "k" once it counts that rank in) and "bye" before it closes on a normal end, and reads without waiting.
-    A connection that ends without a "bye" after it was counted in (by rank 0), or confirmed (by the other rank),
-    is a process that is gone; one that ends before, or carries another load's number, is dropped unseen. Linux
-    hands over a peer's last bytes before reporting a reset, so a "bye" is never lost to one."""
+    The protocol leaves nothing to timing: the other rank connects as soon as rank 0 has said where it listens (at
+    the latest when the first agreement point completes, before any read) and sends "LOAD:RANK"; rank 0 counts it in
+    on that line and answers "k"; each side sends "bye" before it closes on a normal end; neither waits for the
+    other. A connection that ends without a "bye" after its "LOAD:RANK" (seen by rank 0) or after the "k" (seen by
+    the other rank) is a process that is gone; one that carries another load's number, or ends before the "k" on
+    the other rank's side (rank 0 had left the load), is dropped unseen. Linux hands over a peer's last bytes
+    before reporting a reset, so a "bye" is never lost to one."""
 
     BYE = "bye"
 
@@ -126,7 +128,8 @@ class _Sentinel:
         self.closed = False
         self.conns: dict[socket.socket, dict] = {}  # each connection: its rank (once known), whether it said bye
         self.listener = None
-        self.connect_tried = False
+        self.connecting = threading.Lock()  # one connection attempt at a time (heartbeat or first agreement point)
+        self.connect_done = False
         # rank 0 keeps at most half its descriptor limit for these, so the reads' own descriptors stay available
         self.capacity = max(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 - 64)
         if agreement.rank == 0:
@@ -141,14 +144,7 @@ class _Sentinel:
 
     def watch(self) -> str | None:
         """A verdict if a watched rank's process is gone, else None (called from the heartbeat thread)."""
-        if self.a.rank != 0 and not self.connect_tried:
-            sock = self._connect()  # outside the lock: `close` never waits on a connection being made
-            if sock is not None:
-                with self.lock:
-                    if self.closed:
-                        _say_bye_and_close(sock, self.BYE)
-                        return None
-                    self.conns[sock] = {"rank": 0, "counted": False, "bye": False, "buffer": ""}
+        self.connect()
         with self.lock:
             if self.closed:
                 return None
@@ -218,19 +214,40 @@ class _Sentinel:
             if counted >= self.capacity:  # closed uncounted: the liveness bound alone watches that rank
                 state["refused"] = True
                 return
+            state["rank"], state["counted"] = rank, True  # before answering: a hello then death is a death
             try:
                 sock.sendall(b"k\n")
-            except OSError:
-                return
-            state["rank"], state["counted"] = rank, True
+            except OSError:  # it is gone already: the read that follows ends the connection
+                pass
 
-    def _connect(self) -> socket.socket | None:
-        """This rank's connection to rank 0, once rank 0 has said where it listens; None until then, or if no
-        address of rank 0's answers."""
+    def connect(self) -> None:
+        """A rank other than 0 connects once rank 0 has said where it listens: from the heartbeat thread as soon as
+        it has, and at the latest when the first agreement point completes (rank 0 said it before arriving there), so
+        a rank killed as its reads begin is already connected. Never waits for another attempt in progress."""
+        if self.a.rank == 0 or self.connect_done or not self.connecting.acquire(blocking=False):
+            return
+        try:
+            if self.connect_done or self.closed:
+                return
+            sock = self._connect()  # outside `lock`: `close` never waits on a connection being made
+            if sock is False:  # rank 0 has not said where yet: a later call tries again
+                return
+            self.connect_done = True
+            if sock is not None:
+                with self.lock:
+                    if self.closed:
+                        _say_bye_and_close(sock, self.BYE)
+                    else:
+                        self.conns[sock] = {"rank": 0, "counted": False, "bye": False, "buffer": ""}
+        finally:
+            self.connecting.release()
+
+    def _connect(self):
+        """This rank's connection to rank 0 (its hello sent); False while rank 0 has not said where it listens, None
+        if no address of rank 0's answers (the liveness bound alone then watches)."""
         key = f"{self.a.prefix}/sentinel"
         if not self.a.store.check([key]):
-            return None
-        self.connect_tried = True
+            return False
         for host, port in json.loads(self.a.store.get(key)):
             try:
                 sock = socket.create_connection((host, port), timeout=1.0)
@@ -379,6 +396,8 @@ class Agreement:
         started, note_at = time.monotonic(), self.liveness_s
         while True:
             if self.store.check([key]):
+                if self._heartbeat is not None:  # every rank was here, rank 0 too: it has said where it listens
+                    self._heartbeat.sentinel.connect()
                 return
             if self.store.check([f"{self.prefix}/verdict"]):
                 raise self._lost(phase, self.store.get(f"{self.prefix}/verdict").decode())
@@ -433,7 +452,7 @@ class Agreement:
         except AgreedFailure:
             raise
         except Exception as e:  # the store is gone: the rank hosting it died
-            raise _store_lost(e) from error
+            raise _store_lost(e) from e
         if first is None:
             return
         rank, module, qualname, message = first
