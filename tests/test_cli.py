@@ -20,9 +20,25 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 MiB = 1 << 20
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hf_zero3_loader.cli", *args], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": python_path()})
+def _cli(*args: str, own_process: bool = False) -> subprocess.CompletedProcess:
+    """`hf-zero3-loader ARGS`. `plan` reads headers only: it runs in this process (the command's `main`, its output
+    captured), which spares each call a new interpreter's imports; `verify` launches ranks, and `own_process` runs
+    the console entry itself."""
+    if args[0] != "plan" or own_process:
+        return subprocess.run([sys.executable, "-m", "hf_zero3_loader.cli", *args], capture_output=True, text=True,
+                              timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": python_path()})
+    import contextlib
+    import io
+
+    from hf_zero3_loader.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's refusals
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +53,7 @@ def bench_checkpoint(workdir):
 
 def test_plan_prints_reads_memory_and_the_smallest_ep_size_that_fits(bench_checkpoint):
     path = bench_checkpoint
-    human = _cli("plan", path, "--world-size", "4")
+    human = _cli("plan", path, "--world-size", "4", own_process=True)
     assert human.returncode == 0, human.stderr[-3000:]
     for part in ("qwen3_moe", "world size 4", "conversions: Concatenate, MergeModulelist", "read", "ours host",
                  "after deepspeed.initialize", "largest all-gather in a forward pass: model.layers.0.mlp.experts"):

@@ -108,7 +108,8 @@ OTHER_WORLD_SIZES = (1, 2, 4)  # one torchrun job each: sizes that divide the te
 _other_dumps: dict = {}
 
 
-@pytest.mark.parametrize("world_size", OTHER_WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [w if w != 2 else pytest.param(w, marks=pytest.mark.sweep)
+                                        for w in OTHER_WORLD_SIZES])  # 2 ranks: a sweep case
 def test_a_state_dict_loads_equal_to_the_plain_load_at_other_world_sizes(paths, workdir, world_size):
     """The same cases at 1, 2 and 4 ranks; "values on rank 0 only" gives every other rank meta tensors."""
     meta_of = lambda meta: list(range(1, world_size)) if meta else []  # noqa: E731
