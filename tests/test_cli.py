@@ -130,6 +130,7 @@ def test_plan_predicts_the_memory_of_real_loads(measured):
     assert [r["bytes_read"] for r in runs["ours"]] == [r["bytes_to_read"] for r in report["ranks"]]
 
 
+@pytest.mark.sweep
 def test_verify_compares_a_real_load_with_the_plain_one(workdir):
     """With expert parallelism (the next test verifies a load without it)."""
     path = make_checkpoint(os.path.join(workdir, "ep_qwen3_moe"), "qwen3_moe", config=ep_config("qwen3_moe"))
