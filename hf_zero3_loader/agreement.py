@@ -11,8 +11,9 @@ Liveness, not skew: while a load runs, every rank's `_Heartbeat` thread writes i
 second. Rank 0's thread watches every rank, the others watch rank 0; a rank whose counter stops for
 `liveness_timeout_s` (a SIGSTOPped process, a lost machine) gets a verdict that every waiting rank raises. A killed
 process is seen within a heartbeat period: each rank holds a TCP connection to rank 0 while a load runs, which the
-kernel closes when the process ends (`_Sentinel`). A peer that has not started this load yet is waited for up to `join_timeout_s`. Loads are numbered per process and every rank starts
-one at the same place, so a failed load cannot pair with a retry; a peer in an earlier load is "not started yet".
+kernel closes when the process ends (`_Sentinel`). A peer that has not started this load yet is waited for up to
+`join_timeout_s`. Loads are numbered per process and every rank starts one at the same place, so a failed load
+cannot pair with a retry; a peer in an earlier load is "not started yet".
 
 Collectives of ours (missing-key init, the tied-weights check) run inside `collective_section`: entered only after
 an agreement point (no rank enters a collective another rank will never join), with the process groups' timeout
@@ -39,6 +40,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -106,6 +108,17 @@ def resolve_timeout(value, env: str, default: float, what: str) -> float:
                                  "forever)")
     return float(value)
 
+
+@dataclass(slots=True)
+class _Peer:
+    """One sentinel connection as its reader knows it."""
+    rank: int | None  # rank 0's side: None until the hello names it
+    counted: bool = False  # rank 0: the hello was taken; the other rank: rank 0's "k" arrived
+    bye: bool = False
+    refused: bool = False  # rank 0 over its descriptor budget: closed uncounted
+    buffer: str = ""
+
+
 class _Sentinel:
     """A TCP connection between rank 0 and each other rank, held while a load or save runs. The kernel closes a
     process's connections when it ends, killed or not, so a rank whose process is gone is seen within a heartbeat
@@ -126,7 +139,8 @@ class _Sentinel:
         self.a = agreement
         self.lock = threading.Lock()
         self.closed = False
-        self.conns: dict[socket.socket, dict] = {}  # each connection: its rank (once known), whether it said bye
+        self.conns: dict[socket.socket, _Peer] = {}
+        self.counted = 0  # rank 0: connections counted in
         self.listener = None
         self.connecting = threading.Lock()  # one connection attempt at a time (heartbeat or first agreement point)
         self.connect_done = False
@@ -165,7 +179,7 @@ class _Sentinel:
             except OSError:  # BlockingIOError: none waiting
                 return
             sock.setblocking(False)
-            self.conns[sock] = {"rank": None, "counted": False, "bye": False, "buffer": ""}
+            self.conns[sock] = _Peer(rank=None)
 
     def _read(self) -> list[int]:
         """Read what every connection has sent, without waiting; the ranks whose processes are gone."""
@@ -177,7 +191,7 @@ class _Sentinel:
             poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         gone = []
         for fd, _ in poll.poll(0):
-            sock, state = by_fd[fd], self.conns[by_fd[fd]]
+            sock, peer = by_fd[fd], self.conns[by_fd[fd]]
             ended = False
             try:
                 data = sock.recv(4096)
@@ -187,34 +201,36 @@ class _Sentinel:
             except OSError:  # reset: the bytes before it were read by earlier calls
                 ended = True
                 data = b""
-            state["buffer"] += data.decode(errors="replace")
-            *lines, state["buffer"] = state["buffer"].split("\n")
+            peer.buffer += data.decode(errors="replace")
+            *lines, peer.buffer = peer.buffer.split("\n")
             for line in lines:
-                self._take(sock, state, line.strip())
-            if ended or state.get("refused"):
-                if ended and state["counted"] and not state["bye"]:
-                    gone.append(state["rank"])
+                self._take(sock, peer, line.strip())
+            if ended or peer.refused:
+                if ended and peer.counted and not peer.bye:
+                    gone.append(peer.rank)
+                if peer.counted and self.a.rank == 0:
+                    self.counted -= 1
                 del self.conns[sock]
                 sock.close()
         return gone
 
-    def _take(self, sock: socket.socket, state: dict, line: str) -> None:
+    def _take(self, sock: socket.socket, peer: _Peer, line: str) -> None:
         if line == self.BYE:
-            state["bye"] = True
+            peer.bye = True
         elif line == "k" and self.a.rank != 0:  # rank 0 of this load counted this rank in
-            state["counted"] = True
-        elif self.a.rank == 0 and state["rank"] is None:
+            peer.counted = True
+        elif self.a.rank == 0 and peer.rank is None:
             try:
                 load_no, rank = (int(x) for x in line.split(":"))
             except ValueError:
                 return
-            if load_no != self.a.load_no or not 0 < rank < self.a.world_size or state["bye"]:
+            if load_no != self.a.load_no or not 0 < rank < self.a.world_size or peer.bye:
                 return  # another load's, or already leaving: never counted, dropped unseen when it ends
-            counted = sum(s["counted"] for s in self.conns.values())
-            if counted >= self.capacity:  # closed uncounted: the liveness bound alone watches that rank
-                state["refused"] = True
+            if self.counted >= self.capacity:  # closed uncounted: the liveness bound alone watches that rank
+                peer.refused = True
                 return
-            state["rank"], state["counted"] = rank, True  # before answering: a hello then death is a death
+            peer.rank, peer.counted = rank, True  # before answering: a hello then death is a death
+            self.counted += 1
             try:
                 sock.sendall(b"k\n")
             except OSError:  # it is gone already: the read that follows ends the connection
@@ -238,7 +254,7 @@ class _Sentinel:
                     if self.closed:
                         _say_bye_and_close(sock, self.BYE)
                     else:
-                        self.conns[sock] = {"rank": 0, "counted": False, "bye": False, "buffer": ""}
+                        self.conns[sock] = _Peer(rank=0)
         finally:
             self.connecting.release()
 

@@ -179,7 +179,8 @@ def needs_fresh_process(case: dict) -> bool:
 
 
 _pools: dict = {}
-MAX_POOLS = 6  # idle pools hold their ranks' memory (about 0.5 GB a rank): the least recently used one is closed past this
+# idle pools hold their ranks' memory (about 0.5 GB a rank): the least recently used one is closed past this
+MAX_POOLS = 6
 
 
 def run_torchrun(world_size: int, cases: list[dict], workdir: str, timeout: float = 540, env: dict | None = None) -> list[dict]:

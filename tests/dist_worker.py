@@ -716,6 +716,8 @@ def inject_save_fault(case: dict):
     if fault["kind"] == "cannot_see_folder":  # another node's filesystem: the writer's folder is not there
         saving._sees_folder = lambda temp, token: (False, f"{temp} is not visible here (injected)")
     elif fault["kind"] == "die_in_publish":  # the writer killed between two of its moves into the folder
+        from hf_zero3_loader.save_folder import TEMP_MARK
+
         real_replace, moves = os.replace, [0]
 
         def replace(src, dst, *args, **kwargs):
@@ -724,7 +726,6 @@ def inject_save_fault(case: dict):
                 if moves[0] > fault.get("after", 2):
                     os.kill(os.getpid(), signal.SIGKILL)
             return real_replace(src, dst, *args, **kwargs)
-        from hf_zero3_loader.save_folder import TEMP_MARK
 
         saved.append((os, "replace", real_replace))
         os.replace = replace
