@@ -411,8 +411,9 @@ def released_checkpoint(workdir: str, family: str) -> str:
     config = ep_config(family)
     for key, value in RELEASED[family].items():
         setattr(config, key, value)
+    model_class = getattr(__import__("transformers"), EP_MODEL_CLASS.get(family, "AutoModelForCausalLM"))
     return make_checkpoint(os.path.join(workdir, f"ep_{family}_released"), family, config=config,
-                           model_class=getattr(__import__("transformers"), EP_MODEL_CLASS.get(family, "AutoModelForCausalLM")))
+                           model_class=model_class)
 
 
 # every family with an AutoEP preset, and every one whose config names its structure (a preset, or custom patterns:
