@@ -243,15 +243,16 @@ class FileReader:
         if expected is None:
             return
         try:
-            now = FileIdentity.of(os.fstat(fd) if fd is not None else os.stat(path))
+            st = os.fstat(fd) if fd is not None else os.stat(path)
+            now = FileIdentity.of(st)
+            # a file renamed over or deleted while its descriptor was held keeps its inode, but its last link is gone
+            # (which moves its change time too): that is a replacement, not a write in place
+            replaced = st.st_nlink == 0 or (now.device, now.inode) != (expected.device, expected.inode)
         except OSError as e:
-            now = e.strerror
+            now, replaced = e.strerror, True
         if now != expected:
-            what = ("replaced" if not isinstance(now, FileIdentity) or (now.device, now.inode) != (expected.device,
-                                                                                                  expected.inode)
-                    else "written in place")
             with self._changed_lock:
-                self.changed.setdefault(path, what)
+                self.changed.setdefault(path, "replaced" if replaced else "written in place")
 
     def close(self) -> None:
         """Close every descriptor, checking each file first (`changed_error` tells what changed)."""

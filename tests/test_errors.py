@@ -335,7 +335,7 @@ CASES = {
                                 ["LOCAL_RANK is not set", "torch.multiprocessing.spawn"]),
     # a shard atomically replaced after the headers were read: detected, never read at the old offsets
     "shard_replaced_mid_load": ("replaced", None, {}, {"rank": 1, "kind": "replace_shard", "file": "model.safetensors"},
-                                "CheckpointError", ["model.safetensors changed on disk", "refusing to read"]),
+                                "CheckpointError", ["model.safetensors changed on disk", "replaced"]),
     # a shard written in place while a rank reads it (same inode, size and header; new bytes at the same offsets),
     # with its modification time put back too: found through the descriptor read from, refused on every rank
     "shard_rewritten_in_place_mid_load": ("rewritten", None, {}, {"rank": 1, "kind": "rewrite_shard_in_place",

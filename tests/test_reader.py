@@ -190,3 +190,33 @@ def test_pickled_tensors_are_read_from_their_own_bytes_when_they_share_a_storage
     stored = torch.empty(5, dtype=torch.int32)  # bytes unchanged, viewed as the reader's dtype of that item size
     read_stored(reader, entry, 3, stored)
     assert torch.equal(stored, tensor.reshape(-1)[3:8].view(torch.int32))
+
+
+@pytest.mark.parametrize("change", ["renamed_over", "deleted", "written_in_place"])
+def test_a_file_changed_while_its_descriptor_is_held_is_named_for_what_happened(tmp_path, change):
+    """A file renamed over (or deleted) after this reader opened it keeps its inode on the open descriptor, but its
+    link count drops to 0 and its change time moves: that is a replacement, not a write in place."""
+    import os
+
+    from hf_zero3_loader.checkpoint import FileIdentity
+    from hf_zero3_loader.reader import checked_reads
+
+    path = str(tmp_path / "model.safetensors")
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 16)
+    reader = FileReader(identities={path: FileIdentity.of(os.stat(path))})
+    with pytest.raises(Exception) as caught:
+        with checked_reads(reader):
+            reader.read_into(path, 0, torch.empty(64, dtype=torch.uint8))
+            if change == "renamed_over":
+                with open(path + ".new", "wb") as f:
+                    f.write(bytes(4096))
+                os.replace(path + ".new", path)
+            elif change == "deleted":
+                os.remove(path)
+            else:
+                with open(path, "r+b") as f:
+                    f.write(b"\x01")
+            reader.read_into(path, 64, torch.empty(64, dtype=torch.uint8))
+    what = "written in place" if change == "written_in_place" else "replaced"
+    assert f"changed on disk while it was read ({what} during the load)" in str(caught.value)
