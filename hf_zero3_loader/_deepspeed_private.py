@@ -646,3 +646,43 @@ def gathered_to_modify(params):
             for p in params:
                 if p.data.dim() == 0:
                     p.data = p.data.reshape(1)
+
+
+# -- torch.distributed internals under DeepSpeed's comm layer: written against torch 2.13 ----------------------------
+# The agreement (`agreement.py`) talks through the default group's store and lowers the groups' collective timeout to
+# its liveness bound (restored after). Not in HOOKS: the agreement runs on every path, transformers' own ZeRO-3 path
+# (where a missing hook sends a load) included, so a check could only send loads to a path that needs them too.
+
+def default_store():
+    """The key-value store of the default process group (`distributed_c10d._get_default_store`)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def default_process_group():
+    """The default (world) process group (`distributed_c10d._get_default_group`)."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()
+
+
+def cpu_backend_timeout(pg):
+    """The collective timeout of `pg`'s CPU (gloo) backend (`ProcessGroup._get_backend`, its `options._timeout`);
+    raises for a group without one (NCCL alone, or a backend without options)."""
+    return pg._get_backend(torch.device("cpu")).options._timeout
+
+
+def set_process_group_timeout(timeout, pg) -> None:
+    """`pg`'s collective timeout set to `timeout` (a timedelta) (`distributed_c10d._set_pg_timeout`)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, pg)
+
+
+# -- torch.nn internals --------------------------------------------------------------------------------------------
+
+def is_torch_convolution(module) -> bool:
+    """A convolution of torch's (`torch.nn.modules.conv._ConvNd`: ConvNd, ConvTransposeNd, their lazy forms, and
+    subclasses of the base itself)."""
+    return isinstance(module, torch.nn.modules.conv._ConvNd)

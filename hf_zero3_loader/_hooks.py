@@ -20,6 +20,7 @@ from dataclasses import dataclass
 SIMULATE_ENV = "HF_ZERO3_LOADER_SIMULATE_MISSING_HOOK"  # test-only
 
 LOAD, SAVE, EP, CLI, TESTS = "load", "save", "expert parallelism", "command line", "tests"
+TRAINER = "Trainer.save_model"  # a PEFT adapter written by the Trainer's own writer
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,19 @@
   architecture a config names (`auto_class_builds`, for the command line's default `--model-class`).
 - `GgufHfQuantizer.supported`: False when transformers' legacy GGUF loader handles the architecture, which hands
   `_load_pretrained_model` every tensor already dequantized (`state_dict_is_dequantized`).
+- The model's private methods and attributes a load and a save use as transformers' own load does:
+  `_adjust_missing_and_unexpected_keys` (the finish of a load), `_init_weights` / `_initialize_weights` (the
+  missing-key init), the tensor (and module) flag `_is_hf_initialized` that transformers' guarded init functions
+  skip, `_get_dtype_plan` (`plan`'s dtypes), `_weight_conversions` (set: what `save_pretrained` reverses) and
+  `_checkpoint_conversion_mapping` (set: the key mapping PEFT's adapter load applies).
+- `core_model_loading`'s key grouping and conversion classes (`rename_source_key`, `dot_natural_key`,
+  `build_glob_alternation`, `WeightTransform` / `WeightConverter` / `WeightRenaming`, the op classes,
+  `Conv3dToLinear._get_target_pattern`), re-exported for the planner (`planner/plan.py`, `planner/ops.py`).
+- `Trainer._save` (the Trainer's writer of a model folder): a PEFT adapter's state dict written as the Trainer writes
+  one (`integrations/saving_hooks.py`).
+
+accelerate (the Hugging Face launcher transformers' Trainer runs on; written against accelerate 1.15.0), at the end:
+`AcceleratorState._shared_state`, the process-wide state its DeepSpeed plugins are read from.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-from ._hooks import CLI, EP, LOAD, SAVE, TESTS, Hook
+from ._hooks import CLI, EP, LOAD, SAVE, TESTS, TRAINER, Hook
 
 TRANSFORMERS_VERSIONS_CHECKED = ("5.23", "5.24")
 # the releases tested: 5.23.x and 5.24.x (from, up to but not including); others warn at import (`compat.py`)
@@ -56,6 +69,8 @@ HOOKS = (
     Hook(f"{_MU}:_tied_params_are_equal", params=("source", "target"), exact=True),
     Hook(f"{_MU}:PreTrainedModel._adjust_missing_and_unexpected_keys", params=("self", "loading_info")),
     Hook(f"{_MU}:PreTrainedModel._init_weights", params=("self", "module")),
+    Hook(f"{_MU}:PreTrainedModel._initialize_weights", params=("self", "module", "is_custom_code")),
+    Hook(_INIT, source=("_is_hf_initialized",)),  # the flag its guarded init functions skip a tensor by
     Hook(f"{_MU}:PreTrainedModel._get_dtype_plan", params=("self", "dtype")),
     Hook(f"{_MU}:PreTrainedModel._from_config", (LOAD, SAVE)),
     Hook(f"{_INIT}:guard_torch_init_functions", (LOAD, SAVE)),
@@ -65,6 +80,8 @@ HOOKS = (
     Hook("transformers.integrations.finegrained_fp8:Fp8Dequantize", (LOAD, SAVE)),
     Hook("transformers.integrations.mxfp4:Mxfp4Dequantize", (LOAD, SAVE)),
     # the planner (`planner/plan.py`, `planner/ops.py`) groups keys and routes ops as transformers does
+    # (`_weight_conversions`, set on a loaded model, is what its `revert_weight_conversion` reverses when saving)
+    Hook(f"{_CML}:revert_weight_conversion", (LOAD, SAVE), source=("_weight_conversions",)),
     Hook(f"{_CML}:rename_source_key", (LOAD, SAVE), params=("source_key", "weight_renamings", "weight_converters",
                                                            "base_model_prefix", "meta_state_dict")),
     Hook(f"{_CML}:dot_natural_key", (LOAD, SAVE), params=("s",), exact=True),
@@ -90,6 +107,8 @@ HOOKS = (
     Hook("huggingface_hub:split_state_dict_into_shards_factory", (SAVE,), params=("state_dict",),
          keywords=("max_shard_size", "filename_pattern", "get_storage_size", "get_storage_id")),
     Hook("transformers.models.auto.auto_factory:_LazyAutoMapping", (CLI,), source=("self._model_mapping",)),
+    # checked by the full check only (`compat.missing_hooks()`, the tests): a load or save does not depend on it
+    Hook("transformers.trainer:Trainer._save", (TRAINER,), params=("self", "output_dir"), keywords=("state_dict",)),
     Hook("transformers.conversion_mapping:_build_checkpoint_conversion_mapping", (TESTS,)),
     Hook("transformers.quantizers.auto:AUTO_QUANTIZER_MAPPING", (TESTS,)),
 )
@@ -393,3 +412,112 @@ def auto_class_builds(auto_class, model_type: str, architecture: str) -> bool:
     read from its lazy mapping's names without importing any model code."""
     built = auto_class._model_mapping._model_mapping.get(model_type)
     return architecture in (built if isinstance(built, tuple) else (built,))
+
+
+
+# -- the model's private methods and attributes, as transformers' own load uses them --------------------------------
+# (their hooks above: `_adjust_missing_and_unexpected_keys`, `_init_weights`, `_initialize_weights`, `_get_dtype_plan`,
+# the `_is_hf_initialized` flag, `revert_weight_conversion` reading `_weight_conversions`. `_checkpoint_conversion_mapping`
+# has none: transformers 5 defines it nowhere, and PEFT reads it where a model sets it)
+
+def adjust_missing_and_unexpected_keys(model, loading_info) -> None:
+    """The finish of a load: transformers' own pruning of the missing and unexpected keys it reports."""
+    model._adjust_missing_and_unexpected_keys(loading_info)
+
+
+def init_weights(owner, module) -> None:
+    """`owner`'s init of `module` alone (`_init_weights`), as `initialize_weights` runs it per module."""
+    owner._init_weights(module)
+
+
+def initialize_weights(owner, module, is_custom_code: bool) -> None:
+    """`owner._initialize_weights(module, is_custom_code)`: `_init_weights` unless `module` is flagged initialised."""
+    owner._initialize_weights(module, is_custom_code)
+
+
+def dtype_plan(model, dtype) -> dict:
+    """The dtype each tensor loads in (`_get_dtype_plan`): `keep_in_fp32` modules and the like."""
+    return model._get_dtype_plan(dtype)
+
+
+def is_initialized(tensor) -> bool:
+    """Whether `tensor` (or a module) carries transformers' `_is_hf_initialized` flag."""
+    return getattr(tensor, "_is_hf_initialized", False)
+
+
+def mark_initialized(tensor) -> None:
+    """Flag `tensor` (or a module) as initialised: transformers' guarded init functions (and `_initialize_weights`)
+    leave it alone."""
+    tensor._is_hf_initialized = True
+
+
+def unmark_initialized(tensor) -> None:
+    """Remove the flag `mark_initialized` set."""
+    del tensor._is_hf_initialized
+
+
+def weight_conversions(model):
+    """The conversions `model` was loaded with (`_weight_conversions`), or None."""
+    return getattr(model, "_weight_conversions", None)
+
+
+def set_weight_conversions(model, conversions) -> None:
+    """What `save_pretrained` reverses for `model` (`_weight_conversions`, as transformers' own load sets it)."""
+    model._weight_conversions = conversions
+
+
+def set_checkpoint_conversion_mapping(model, mapping: dict) -> None:
+    """The key mapping (regex -> replacement) PEFT's `PeftModel.from_pretrained` applies to the keys of an adapter it
+    loads onto `model` (`_checkpoint_conversion_mapping`)."""
+    model._checkpoint_conversion_mapping = mapping
+
+
+# -- core_model_loading: the planner groups keys and routes ops as transformers does ---------------------------------
+
+# re-exported on first use (importing this module imports no transformers code; an untested transformers without one
+# of them fails the planner's import, not the package's)
+_CML_EXPORTS = ("rename_source_key", "dot_natural_key", "build_glob_alternation", "WeightTransform", "WeightConverter",
+                "WeightRenaming")
+
+
+def __getattr__(name: str):
+    if name in _CML_EXPORTS:
+        from transformers import core_model_loading
+
+        return getattr(core_model_loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def conversion_ops(names) -> dict:
+    """{name: op class} for each of `names` the installed transformers' `core_model_loading` has."""
+    from transformers import core_model_loading
+
+    return {name: getattr(core_model_loading, name) for name in names if hasattr(core_model_loading, name)}
+
+
+def conv3d_to_linear_target_pattern(input_dict: dict, source_patterns, target_patterns):
+    """`Conv3dToLinear._get_target_pattern`: the key its output goes to."""
+    from transformers.core_model_loading import Conv3dToLinear
+
+    return Conv3dToLinear._get_target_pattern(input_dict, source_patterns, target_patterns)
+
+
+# -- transformers' Trainer ---------------------------------------------------------------------------------------------
+
+def trainer_save(trainer, output_dir, state_dict) -> None:
+    """`Trainer._save`: `state_dict` written to `output_dir` as the Trainer writes a model (with its processing class
+    and training arguments)."""
+    trainer._save(output_dir, state_dict=state_dict)
+
+
+# -- accelerate (the Hugging Face launcher transformers' Trainer runs on): written against accelerate 1.15.0 ----------
+# Not in HOOKS: every load reads it to find the DeepSpeed config, transformers' own ZeRO-3 path (the fallback) too.
+
+def accelerate_shared_state() -> dict | None:
+    """The process-wide state of accelerate's `AcceleratorState` (`_shared_state`, a dict its objects share), or None
+    where accelerate is not installed."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        return None
+    return AcceleratorState._shared_state

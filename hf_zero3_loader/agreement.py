@@ -21,8 +21,9 @@ lowered to the liveness bound, so a peer that stops inside one fails the section
 point-to-point waits ignore that timeout (a receiver whose sender stopped would wait out the group's 30 minutes),
 so streams run in a thread that this one watches for the verdict (`run_watched`).
 
-Private torch API (torch 2.13): `distributed_c10d._get_default_store` and `distributed_c10d._set_pg_timeout`
-(plus the gloo backend's `options._timeout`, to restore it).
+Private torch API (torch 2.13), through `_deepspeed_private.py` (its torch.distributed section): the default group's
+store, and each group's collective timeout (`distributed_c10d._set_pg_timeout`; the gloo backend's `options._timeout`,
+to restore it).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
+from . import _deepspeed_private as ds_private
 from . import errors, log
 
 DEFAULT_JOIN_TIMEOUT_S = 300.0
@@ -372,14 +373,12 @@ _loads = itertools.count()  # every rank starts its loads at the same place, so 
 
 class Agreement:
     def __init__(self, join_timeout_s: float | None = None, liveness_timeout_s: float | None = None):
-        from torch.distributed.distributed_c10d import _get_default_store
-
         self.join_timeout_s = resolve_timeout(join_timeout_s, JOIN_ENV, DEFAULT_JOIN_TIMEOUT_S, "agreement_timeout_s")
         self.liveness_s = resolve_timeout(liveness_timeout_s, LIVENESS_ENV, DEFAULT_LIVENESS_TIMEOUT_S,
                                           "liveness_timeout_s")
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.store = _get_default_store()
+        self.store = ds_private.default_store()
         self.load_no = next(_loads)
         self.prefix = f"hf_zero3_loader/load{self.load_no}"
         self.points = itertools.count()
@@ -637,23 +636,20 @@ def _short(value) -> str:
 
 def _lower_timeouts(groups, seconds: float):
     """Set each process group's collective timeout to `seconds`; return a function restoring the old ones."""
-    from torch.distributed.distributed_c10d import _get_default_group, _set_pg_timeout
-
     saved = []
     for group in groups:
-        pg = group if group is not None else _get_default_group()
+        pg = group if group is not None else ds_private.default_process_group()
         try:
-            backend = pg._get_backend(torch.device("cpu"))
-            old = backend.options._timeout
+            old = ds_private.cpu_backend_timeout(pg)
         except Exception:  # NCCL / unknown backends: leave them to their own watchdog
             continue
         saved.append((pg, old))
-        _set_pg_timeout(datetime.timedelta(seconds=seconds), pg)
+        ds_private.set_process_group_timeout(datetime.timedelta(seconds=seconds), pg)
 
     def restore():
         for pg, old in saved:
             try:
-                _set_pg_timeout(old, pg)
+                ds_private.set_process_group_timeout(old, pg)
             except Exception:
                 pass
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ._deepspeed_private import arch_list_the_op_builder_cannot_parse
+from ._transformers_private import accelerate_shared_state
 from .errors import ConfigError
 
 
@@ -165,11 +166,9 @@ def _warn_of_unforwarded_nvme_path(config: dict) -> None:
 
 def accelerate_deepspeed_plugins() -> list:
     """The DeepSpeed plugins of this process's accelerate state (one, or several named ones), if any."""
-    try:
-        from accelerate.state import AcceleratorState
-    except ImportError:
+    state = accelerate_shared_state()
+    if state is None:  # accelerate not installed
         return []
-    state = AcceleratorState._shared_state
     found = state.get("deepspeed_plugins") or state.get("deepspeed_plugin")
     return list(found.values()) if isinstance(found, dict) else [found] if found is not None else []
 

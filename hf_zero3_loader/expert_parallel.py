@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from . import _deepspeed_private as ds_private
+from . import _transformers_private as hf_private
 from . import log
 from .deepspeed_setup import accelerate_deepspeed_plugins
 from .errors import ConfigError, LoaderError, UnsupportedConversionError
@@ -581,7 +582,7 @@ class ExpertParallelLayout:
             if f"{module}.weight" in self.sources:  # the module LoRA adapts (the router's linear), not its parent
                 back[f"^{re.escape(original)}\\."] = f"{module}."
         if back:
-            model._checkpoint_conversion_mapping = back
+            hf_private.set_checkpoint_conversion_mapping(model, back)
 
     def forget_accelerate_leaf_marks(self, model: torch.nn.Module) -> None:
         """accelerate's `deepspeed_moe_layer_cls_names` (`ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`) marks MoE blocks
@@ -616,9 +617,9 @@ class ExpertParallelLayout:
     def materialize_new_buffers(self, device: torch.device) -> None:
         """AutoEP's own buffers (token counters) are zeros by construction; they are on meta after the replacement."""
         for module, name in self.new_buffers:
-            buf = module._buffers[name]
+            buf = getattr(module, name)  # a registered buffer (setattr replaces it, persistent or not as it was)
             if buf is not None and buf.is_meta:
-                module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype, device=device)
+                setattr(module, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
 
     def summary(self, plan: LoadPlan) -> dict:
         expert_bytes = sum(plan.tensors[n].bytes_to_read for n in self.expert_params if n in plan.tensors)

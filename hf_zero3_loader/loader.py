@@ -367,7 +367,7 @@ def _load_on_meta(model_class, path, model_args, kwargs, setup, agreement, ep_re
     target = model[0] if isinstance(model, tuple) else model
     _note_callers_zero_init(outer, setup, kwargs.get("dtype"))
     if path != original_path:  # loaded from a stub folder: name the checkpoint as the user did
-        target.config._name_or_path = str(original_path)
+        target.config.name_or_path = str(original_path)  # the config's public setter
         target.name_or_path = str(original_path)
     attach(model, report)
     return model

@@ -42,7 +42,7 @@ class InitStats:
 
 
 def _needs_gather(param) -> bool:
-    return hasattr(param, "ds_id") and not getattr(param, "_is_hf_initialized", False)
+    return hasattr(param, "ds_id") and not hf_private.is_initialized(param)
 
 
 def _nbytes(param) -> int:
@@ -56,13 +56,14 @@ def materialize_meta_buffers(model: torch.nn.Module, device: torch.device) -> li
     uninitialised memory. Returns the float ones: (full name, module, name)."""
     marked = []
     for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_meta:
+        # setattr on a registered buffer's name replaces the buffer (persistent or not, as it was)
+        for name, buf in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if buf.is_meta:
                 if buf.dtype in UnwrittenWatch.FLOAT_DTYPES:
-                    module._buffers[name] = torch.full_like(buf, float("nan"), device=device)
+                    setattr(module, name, torch.full_like(buf, float("nan"), device=device))
                     marked.append((f"{prefix}.{name}" if prefix else name, module, name))
                 else:
-                    module._buffers[name] = torch.zeros_like(buf, device=device)
+                    setattr(module, name, torch.zeros_like(buf, device=device))
     return marked
 
 
@@ -85,7 +86,7 @@ def _init_touches(module, owner) -> InitTouches | None:
                 stand_ins.contiguous_weight(module):
             before = _rng_states(devices)
             with hf_private.recording_init_functions(recorded.append):
-                owner._init_weights(module)
+                hf_private.init_weights(owner, module)
             after = _rng_states(devices)
     except Exception:
         return None
@@ -162,7 +163,7 @@ def _plan_chunks(model, budget_bytes: int):
             ordered = _distinct(touches.params + needed)
             for p in ordered:
                 steps.append(([(module, owner)], [p], (p, ordered)))
-            module._is_hf_initialized = True
+            hf_private.mark_initialized(module)
             continue
         if params and size + needed_bytes > budget_bytes:
             flush()
@@ -217,7 +218,8 @@ class StandIns:
     def contiguous_weight(self, module):
         """While `module`'s own init runs (and `written` checks it): a convolution's loaded weight as a contiguous
         tensor of SENTINEL."""
-        param = module._parameters.get("weight") if isinstance(module, torch.nn.modules.conv._ConvNd) else None
+        param = (dict(module.named_parameters(recurse=False, remove_duplicate=False)).get("weight")
+                 if ds_private.is_torch_convolution(module) else None)
         if param is None or id(param) not in self.swapped:
             yield
             return
@@ -277,9 +279,9 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
     loaded = stand_ins.loaded_params_under(module)
     if not loaded:
         return
-    flagged = [t for t in (*module.parameters(), *module.buffers()) if not getattr(t, "_is_hf_initialized", False)]
+    flagged = [t for t in (*module.parameters(), *module.buffers()) if not hf_private.is_initialized(t)]
     for t in flagged:
-        t._is_hf_initialized = True
+        hf_private.mark_initialized(t)
     cells = [stand_ins.swapped[id(p)] for p in loaded]
     stats.gathers.append(sum(_nbytes(p) for p in loaded))
     for p, data in cells:  # the real (empty) local data, for DeepSpeed to gather into
@@ -287,10 +289,10 @@ def _replay_writes_into_loaded(module, owner, stand_ins: StandIns, stats: InitSt
     devices = _rng_devices()
     try:
         with ds_private.gathered_to_modify(loaded), torch.random.fork_rng(devices=devices):
-            owner._init_weights(module)
+            hf_private.init_weights(owner, module)
     finally:
         for t in flagged:
-            del t._is_hf_initialized
+            hf_private.unmark_initialized(t)
         for p, _ in cells:  # back to the stand-in for the rest of this step
             p.data = stand_ins.stand_in(p)
     log.debug("missing-key init: %s._init_weights(%s) writes into loaded %s outside the guarded init functions; "
@@ -367,7 +369,7 @@ class UnwrittenWatch:
             self._zero_nan(ds_private.zero3_partition(p).tensor)
         names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in self.pending]
         for name, module, key in marked_buffers:  # whole on every rank: no gather
-            buf = module._buffers.get(key)
+            buf = dict(module.named_buffers(recurse=False, remove_duplicate=False)).get(key)
             if buf is not None and buf.dtype in self.FLOAT_DTYPES and self._has_nan(buf):
                 self._zero_nan(buf)
                 names.append(name)
@@ -401,20 +403,20 @@ def _run_init_step(model, modules, alone, stand_ins, stats: InitStats, is_custom
         (module, owner), (alone, group) = modules[0], alone
         others = [p for p in group if p is not alone]
         for p in others:
-            p._is_hf_initialized = True
+            hf_private.mark_initialized(p)
         try:
             with _explained_in_place_writes(model, module, owner), stand_ins.contiguous_weight(module):
-                owner._init_weights(module)
+                hf_private.init_weights(owner, module)
                 written = stand_ins.written()
         finally:
             for p in others:
-                del p._is_hf_initialized
+                hf_private.unmark_initialized(p)
         if written:
             _replay_writes_into_loaded(module, owner, stand_ins, stats)
         return
     for module, owner in modules:
         with _explained_in_place_writes(model, module, owner), stand_ins.contiguous_weight(module):
-            owner._initialize_weights(module, is_custom_code)
+            hf_private.initialize_weights(owner, module, is_custom_code)
             written = stand_ins.written()
         if written:
             _replay_writes_into_loaded(module, owner, stand_ins, stats)

@@ -243,8 +243,9 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
     skeleton = hf_private.meta_model(type(module), config, dtypes.most_common(1)[0][0] if dtypes else torch.float32)
     if getattr(module, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(module.generation_config)
-    if getattr(module, "_weight_conversions", None) is not None:  # loaded dequantized: saved dequantized
-        skeleton._weight_conversions = hf_private.conversions_without_dequantize(module._weight_conversions)
+    if hf_private.weight_conversions(module) is not None:  # loaded dequantized: saved dequantized
+        hf_private.set_weight_conversions(
+            skeleton, hf_private.conversions_without_dequantize(hf_private.weight_conversions(module)))
     state = skeleton.state_dict(keep_vars=True)
     absent = sorted(n for n in state if n not in wanted)
     extra = sorted(n for n in wanted if n not in state)
@@ -261,10 +262,11 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
             owner_name, _, attr = name.rpartition(".")
             owner = skeleton.get_submodule(owner_name)
             meta = torch.empty(tensor.shape, dtype=dtype, device="meta")
-            if attr in owner._parameters:
-                owner._parameters[attr] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad)
+            # setattr on a registered name replaces that parameter or buffer (a buffer stays persistent or not)
+            if attr in dict(owner.named_parameters(recurse=False, remove_duplicate=False)):
+                setattr(owner, attr, torch.nn.Parameter(meta, requires_grad=tensor.requires_grad))
             else:
-                owner._buffers[attr] = meta
+                setattr(owner, attr, meta)
     skeleton.tie_weights()
     return skeleton
 

@@ -46,7 +46,7 @@ class Zero3Partitioner:
 
     def allocate(self, module: torch.nn.Module, name: str, plan: TensorPlan) -> torch.Tensor:
         """Replace meta parameter `module.<name>` by a ZeRO-3 param with a local partition; return it."""
-        meta = module._parameters[name]
+        meta = getattr(module, name)  # a registered parameter (setattr below replaces it)
         # A meta tensor cannot take real data, so the param is rebuilt: one real element expanded to the full
         # shape gives DeepSpeed the logical shape without allocating the tensor (0-dim: CLIP's `logit_scale`).
         shell = torch.empty((), dtype=plan.dtype, device=self.local_device).expand(plan.shape)
@@ -64,7 +64,7 @@ class Zero3Partitioner:
         else:  # missing: initialised later (or left zero, never garbage)
             partition.zero_()
         self._factory.attach_partition(param, partition, torch.empty(0, dtype=plan.dtype, device=self.local_device))
-        module._parameters[name] = param
+        setattr(module, name, param)
         if to_nvme:
             self.nvme_params[id(partition)] = param
         return param

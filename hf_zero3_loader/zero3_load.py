@@ -197,7 +197,7 @@ class Zero3Load:
                 own_read = self._stream(plan, served, checkpoint, destinations, edp, own_read)
         if own_read is not None:  # not read by `_stream` while it served
             own_read()
-        model._weight_conversions = plan.converted_weight_mapping  # what save_pretrained reverses
+        hf_private.set_weight_conversions(model, plan.converted_weight_mapping)  # what save_pretrained reverses
         return hf_private.load_state_dict_info(plan.missing_keys, plan.unexpected_keys, plan.mismatched_keys)
 
     def _stream(self, plan: LoadPlan, served: dict, checkpoint, destinations, groups, own_read=None):
@@ -327,7 +327,7 @@ class Zero3Load:
             module_name, _, param_name = name.rpartition(".")
             param = partitioner.allocate(model.get_submodule(module_name), param_name, tensor_plan)
             if tensor_plan.status == "load":
-                param._is_hf_initialized = True
+                hf_private.mark_initialized(param)
                 destinations.append((tensor_plan, param.ds_tensor))
         for name, _ in list(model.named_buffers()):
             tensor_plan = plan.tensors.get(name)
@@ -335,8 +335,8 @@ class Zero3Load:
                 continue
             module_name, _, buf_name = name.rpartition(".")
             value = torch.empty(tensor_plan.shape, dtype=tensor_plan.dtype, device=partitioner.local_device)
-            value._is_hf_initialized = True
-            model.get_submodule(module_name)._buffers[buf_name] = value
+            hf_private.mark_initialized(value)
+            setattr(model.get_submodule(module_name), buf_name, value)  # a registered buffer: stays one, as persistent
             destinations.append((tensor_plan, value.view(-1)))
         return destinations
 
@@ -408,7 +408,7 @@ class Zero3Load:
             with self.agreement.collective_section("tied-weights check", groups), \
                     hf_private.tied_equality(_zero3_tied_params_are_equal):
                 model.tie_weights(missing_keys=loading_info.missing_keys, recompute_mapping=False)
-            model._adjust_missing_and_unexpected_keys(loading_info)
+            hf_private.adjust_missing_and_unexpected_keys(model, loading_info)
             self.report.leaf_modules = mark_experts_as_leaf_modules(model)
             if self.partitioner.nvme_params or self.nvme_waves:  # NVMe offload: what is left goes to the swap files
                 # the missing keys' partitions, initialised (or partitions streamed here), unless tied away

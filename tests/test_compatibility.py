@@ -191,3 +191,60 @@ def test_missing_hook_fallback_through_the_auto_hook_does_not_recurse(workdir):
         assert set(state) == set(want)
         for key, value in want.items():
             assert state[key].dtype == value.dtype and torch.equal(state[key], value.detach()), key
+
+
+# the standard library's own names with a leading underscore that are documented API (not a private touch)
+_DOCUMENTED_UNDERSCORE_NAMES = {"_exit"}  # os._exit
+_PRIVATE_MODULES = {"_transformers_private.py", "_deepspeed_private.py", "_hooks.py"}
+_DEPENDENCIES = ("transformers", "deepspeed", "accelerate", "torch", "huggingface_hub", "safetensors")
+
+
+def _private_name(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_private_api_is_touched_only_in_the_private_modules():
+    """Every private name of a dependency the package touches is in `_transformers_private.py` or
+    `_deepspeed_private.py` (docs/compatibility.md): elsewhere, no `from <dependency> import _name` and no attribute
+    `x._name` unless the package defines `_name` itself (a function, class, argument, variable or attribute set
+    outside those two modules)."""
+    import ast
+    import pathlib
+
+    import hf_zero3_loader
+
+    root = pathlib.Path(hf_zero3_loader.__file__).parent
+    files = sorted(p for p in root.rglob("*.py") if p.name not in _PRIVATE_MODULES)
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in files}
+    own = set(_DOCUMENTED_UNDERSCORE_NAMES)
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+            elif isinstance(node, ast.alias) and node.asname:
+                own.add(node.asname)
+    found = []
+    for path, tree in trees.items():
+        where = path.relative_to(root.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] in _DEPENDENCIES:
+                private_module = any(_private_name(part) for part in node.module.split("."))
+                for alias in node.names:
+                    if private_module or _private_name(alias.name):
+                        found.append(f"{where}:{node.lineno}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] in _DEPENDENCIES and any(_private_name(part) for part in parts):
+                        found.append(f"{where}:{node.lineno}: import {alias.name}")
+            elif isinstance(node, ast.Attribute) and _private_name(node.attr) and node.attr not in own:
+                found.append(f"{where}:{node.lineno}: .{node.attr}")
+    assert not found, ("private names of a dependency touched outside _transformers_private.py / "
+                       "_deepspeed_private.py:\n" + "\n".join(sorted(found)))

@@ -47,11 +47,12 @@ def _partitioned_pretrained_model(model):
 def _trainer_save_model(original):
     @functools.wraps(original)
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        from .._transformers_private import trainer_save
         from ..peft_adapters import adapter_state_dict, partitioned_peft_model
 
         if self.is_deepspeed_enabled and partitioned_peft_model(self.model) is not None:
             # the adapter, gathered alone (upstream: DeepSpeed's consolidated state dict, every parameter gathered)
-            self._save(output_dir, state_dict=adapter_state_dict(self.model))
+            trainer_save(self, output_dir, adapter_state_dict(self.model))
             if self.args.push_to_hub and not _internal_call:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _transformers_private as hf_private
 from ..checkpoint import local_checkpoint, open_checkpoint
 from ..errors import ConfigError
 from ..gc_pause import paused_gc
@@ -84,7 +85,7 @@ def _plan_ranks(path, world_size, ranks, model_class, dtype, ep_size, with_model
     quantization = dequantize_config(path, load_kwargs)  # FP8/MXFP4 plan as they load: dequantized on read
     quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True) if quantization is not None else None
     mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
-    resolution = resolve_checkpoint(model, checkpoint, mapping, model._get_dtype_plan(dtype))
+    resolution = resolve_checkpoint(model, checkpoint, mapping, hf_private.dtype_plan(model, dtype))
     layout = None
     if ep_size:
         from ..expert_parallel import ExpertParallelGroups, ExpertParallelLayout, request_from

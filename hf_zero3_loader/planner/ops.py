@@ -12,9 +12,9 @@ import math
 from typing import Any
 
 import torch
-from transformers import core_model_loading as cml
 
 from .. import _transformers_private as hf_private
+from .._transformers_private import WeightConverter, WeightTransform
 from ..dequantize import Computation
 from ..errors import UnsupportedConversionError
 from .symbolic import Concat, Permute, Piece, Same, Sym, Transpose, slice_along, stack_along
@@ -263,7 +263,7 @@ def _permute_for_rope(op, inputs, source_patterns, target_patterns, ctx):
 
 
 def _conv3d_to_linear(op, inputs, source_patterns, target_patterns, ctx):
-    key = cml.Conv3dToLinear._get_target_pattern(inputs, source_patterns, target_patterns)
+    key = hf_private.conv3d_to_linear_target_pattern(inputs, source_patterns, target_patterns)
     src = _first(next(iter(inputs.values())))
     if len(src.shape) == 5:
         return {key: Sym((src.shape[0], src.numel // max(src.shape[0], 1)), mapper=Same(src))}
@@ -324,7 +324,7 @@ def _version_rules() -> dict:
     rules = {"Inkling2UnpadVocab": _inkling2_unpad_vocab,
              "Inkling2LoopMergeMessageQueries": _inkling2_loop_merge_message_queries,
              "Inkling2LoopDequantizeExperts": _inkling2_loop_dequantize_experts}
-    return {getattr(cml, name): rule for name, rule in rules.items() if hasattr(cml, name)}
+    return {op: rules[name] for name, op in hf_private.conversion_ops(rules).items()}
 
 
 def _quantizer_rules() -> dict:
@@ -348,16 +348,16 @@ _BASE_RULES = {
 RULES = {
     # an op gone from an untested transformers does not fail the import: its hook is missing at the first load
     # (`_transformers_private.HOOKS`), which then goes through transformers' own ZeRO-3 path
-    **{getattr(cml, name): rule for name, rule in _BASE_RULES.items() if hasattr(cml, name)},
+    **{op: _BASE_RULES[name] for name, op in hf_private.conversion_ops(_BASE_RULES).items()},
     **_version_rules(),
     **_quantizer_rules(),
 }
 
 
-def apply_converter(converter: cml.WeightTransform, layer_name: str, ctx: dict[str, Any]) -> dict[str, Sym]:
+def apply_converter(converter: WeightTransform, layer_name: str, ctx: dict[str, Any]) -> dict[str, Sym]:
     """Symbolic `WeightConverter.convert` / `WeightRenaming.convert`: full target name -> Sym."""
     collected = {k: list(v) for k, v in converter.collected_tensors.items()}
-    if not isinstance(converter, cml.WeightConverter):
+    if not isinstance(converter, WeightConverter):
         return {converter.target_patterns[0]: collected[converter.source_patterns[0]]}
     value: dict = collected
     for op in converter.operations:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from transformers import core_model_loading as cml
 
+from .._transformers_private import (WeightConverter, WeightRenaming, WeightTransform, build_glob_alternation,
+                                      dot_natural_key, rename_source_key)
 from ..agreement import digest
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, LoaderError
@@ -164,7 +165,7 @@ def runs_to_read_items(runs: list[Run], checkpoint: Checkpoint, dst_offset: int 
 def dtype_policy(dtype_plan: dict):
     if not dtype_plan:
         return lambda key: None
-    alternation, by_group, _ = cml.build_glob_alternation(list(dtype_plan.keys()))
+    alternation, by_group, _ = build_glob_alternation(list(dtype_plan.keys()))
 
     def policy(key: str):
         match = alternation.search(key)
@@ -245,7 +246,7 @@ def _natural_key_by_parts() -> Callable[[str], list]:
 
     def part_key(part: str) -> tuple:
         if part not in cache:
-            (cache[part],) = cml.dot_natural_key(part)
+            (cache[part],) = dot_natural_key(part)
         return cache[part]
 
     return lambda key: [part_key(part) for part in key.split(".")]
@@ -256,19 +257,19 @@ def resolve_checkpoint(model: torch.nn.Module, checkpoint: Checkpoint, weight_ma
     `model` is the meta skeleton transformers built, untied."""
     meta_state = model.state_dict()
     prefix = model.base_model_prefix
-    renamings = [e for e in weight_mapping if isinstance(e, cml.WeightRenaming)]
-    converters = [e for e in weight_mapping if isinstance(e, cml.WeightConverter)]
+    renamings = [e for e in weight_mapping if isinstance(e, WeightRenaming)]
+    converters = [e for e in weight_mapping if isinstance(e, WeightConverter)]
     pattern_to_converter = {k: c for c in converters for k in c.source_patterns}
     policy = dtype_policy(dtype_plan)
 
     unexpected: set[str] = set()
-    to_load: dict[str, cml.WeightTransform] = {}
+    to_load: dict[str, WeightTransform] = {}
     target_dtype: dict[str, torch.dtype] = {}
     for original_key in sorted(checkpoint.entries, key=_natural_key_by_parts()):
         entry = checkpoint.entries[original_key]
-        renamed, source_pattern = cml.rename_source_key(original_key, renamings, converters, prefix, meta_state)
+        renamed, source_pattern = rename_source_key(original_key, renamings, converters, prefix, meta_state)
         if renamed not in meta_state and original_key in meta_state:
-            renamed, source_pattern = cml.rename_source_key(original_key, [], [], prefix, meta_state)
+            renamed, source_pattern = rename_source_key(original_key, [], [], prefix, meta_state)
         if renamed in meta_state:
             if renamed not in to_load:  # each target gets its own converter (copied once, not per key)
                 to_load[renamed] = (deepcopy(pattern_to_converter[source_pattern]) if source_pattern is not None
@@ -332,7 +333,7 @@ def _refuse_weights_that_are_not_tensors(checkpoint: Checkpoint, renamings, conv
     weight at random. Checked after `used` is taken: renaming these keys marks the mapping's entries as used."""
     held = []
     for key, what in sorted(checkpoint.not_tensors.items()):
-        renamed, _ = cml.rename_source_key(key, renamings, converters, prefix, meta_state)
+        renamed, _ = rename_source_key(key, renamings, converters, prefix, meta_state)
         if renamed in meta_state or key in meta_state:
             held.append(f"  {key}: {what}" + (f" (the model's {renamed})" if renamed != key else ""))
     if held:
