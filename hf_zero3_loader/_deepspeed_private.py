@@ -1,4 +1,5 @@
-"""Every touch of DeepSpeed's private API, in one place. Written against deepspeed 0.19.8.
+"""Every touch of DeepSpeed's private API, in one place. Written against deepspeed 0.19.8. Also torch's internals
+under DeepSpeed's comm layer and module code (sections at the end), written against torch 2.13.
 
 ZeRO-3 parameters without `zero.Init` (`zero3.py`):
 - `zero.Init._convert_to_deepspeed_param` only attaches attributes and closures (no allocation, no collective), so an
@@ -59,6 +60,12 @@ Expert parallelism (`expert_parallel.py`), the way `DeepSpeedEngine._configure_e
   init), so the global RNG leaves `initialize` as it does under engine-side AutoEP.
 - AutoEP's presets call `_CAN_RECORD_REGISTRY.get(key, default)`; transformers 5.23's registry `get` takes one
   argument. `allow_registry_get_default` widens it to accept the dict signature for string keys.
+
+torch 2.13 (not DeepSpeed's, but what the package reaches under it):
+- `distributed_c10d._get_default_store`, `_get_default_group`, `_set_pg_timeout`, `ProcessGroup._get_backend` and the
+  gloo backend's `options._timeout`: the agreement's store, and the collectives' timeout lowered inside a collective
+  section (`agreement.py`);
+- `nn.modules.conv._ConvNd`: whether a module is one of torch's convolutions (`missing_init.py`).
 """
 
 from __future__ import annotations
