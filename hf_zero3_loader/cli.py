@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+from . import log
 from ._version import __version__
 from .errors import LoaderError
 
@@ -203,7 +204,8 @@ def _plan(args) -> int:
         with open(args.ds_config) as f:
             ds_config = json.load(f)
     device = args.device or default_device()
-    with contextlib.redirect_stdout(sys.stderr):  # libraries' import-time notices must not mix into --json output
+    # libraries' import-time notices must not mix into --json output; AutoEP's warnings once, not per layer and size
+    with contextlib.redirect_stdout(sys.stderr), log.each_dependency_message_once():
         model_class = _model_class_name(args)
         report = plan_report(args.checkpoint, args.world_size, args.ep_size, ds_config, args.device_memory,
                              device, getattr(transformers, model_class), load_kwargs=_load_kwargs(args))

@@ -449,7 +449,8 @@ class ExpertParallelLayout:
             layout.boxes_by_ep_rank[ep_rank] = {k: v for spec in specs for k, v in layout._boxes_for(model, spec, local).items()}
         boxes = layout.boxes_by_ep_rank[groups.ep_rank]
         layout.replaced_classes = {type(model.get_submodule(name)).__name__ for name in layout.layers}
-        ds_private.replace_moe_layers(autoep, specs, request.ep_size, groups.ep_rank)
+        with log.each_dependency_message_once():  # AutoEP's warnings come once per layer
+            ds_private.replace_moe_layers(autoep, specs, request.ep_size, groups.ep_rank)
         layer_class = ds_private.autoep_layer_class()
         for name in layout.layers:
             layer = model.get_submodule(name)

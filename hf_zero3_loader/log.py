@@ -111,3 +111,28 @@ def quiet_dependency_deprecations():
         for module in _DEPENDENCY_MODULES:
             warnings.filterwarnings("ignore", category=FutureWarning, module=module)
         yield
+
+
+class _OncePerMessage(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[int, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+@contextmanager
+def each_dependency_message_once(name: str = "DeepSpeed"):
+    """While one of our calls runs, let each distinct message of the dependency logger `name` through once: AutoEP
+    warns once per MoE layer it replaces (DeepSeek-V3: 58 identical lines per rank, for each ep_size `plan` tries)."""
+    dependency_logger, once = logging.getLogger(name), _OncePerMessage()
+    dependency_logger.addFilter(once)
+    try:
+        yield
+    finally:
+        dependency_logger.removeFilter(once)

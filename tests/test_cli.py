@@ -212,6 +212,33 @@ def test_plan_prints_sizes_in_units_that_suit_them_and_words_a_cpu_run_so(workdi
     assert ("partitions on the CPU" in default) == (default_device() == "cpu"), default
 
 
+def test_a_dependency_warning_repeated_per_layer_shows_once_while_the_loader_runs():
+    """AutoEP warns once per MoE layer it replaces (DeepSeek-V3's `routed_scaling_factor`: 58 identical lines per
+    rank, for every ep_size `plan` tries): while the loader runs, each distinct DeepSpeed message shows once; outside
+    it, DeepSpeed's logging is as it was."""
+    import logging
+
+    from deepspeed.utils import logger as deepspeed_logger
+
+    from hf_zero3_loader.log import each_dependency_message_once
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    deepspeed_logger.addHandler(handler)
+    try:
+        with each_dependency_message_once():
+            for layer in range(3):
+                deepspeed_logger.warning("AutoEP: routed_scaling_factor=%s overrides route_scale=%s.", 2.5, 2.5)
+                deepspeed_logger.warning("layer %d replaced", layer)
+        deepspeed_logger.warning("AutoEP: routed_scaling_factor=%s overrides route_scale=%s.", 2.5, 2.5)
+    finally:
+        deepspeed_logger.removeHandler(handler)
+    assert seen == ["AutoEP: routed_scaling_factor=2.5 overrides route_scale=2.5.", "layer 0 replaced",
+                    "layer 1 replaced", "layer 2 replaced",
+                    "AutoEP: routed_scaling_factor=2.5 overrides route_scale=2.5."]
+
+
 @pytest.mark.sweep
 def test_verify_compares_a_router_the_plain_load_keeps_in_fp32_in_the_engines_dtype(workdir):
     """GLM-4.5 MoE's router, which transformers 5.24 keeps in fp32 (`_keep_in_fp32_modules_strict`; 5.23 does not):
