@@ -116,8 +116,8 @@ class TorchrunPool:
     """One real torchrun job of `world_size` ranks that runs many tests' cases, request after request
     (`dist_worker.serve`): the imports of torch, transformers and DeepSpeed and the process-group start are paid
     once per pool, not once per test. Each request starts from a fresh process's RNG; a request whose cases leave
-    state in the process (an upstream load, fault injection, ...) retires the pool, and the next request starts a new
-    one."""
+    state in the process (fault injection, a ZeRO++ hpZ group, ...: `dist_worker.leaves_state`) retires the pool,
+    and the next request starts a new one."""
 
     def __init__(self, world_size: int, env: dict | None, workdir: str):
         import tempfile

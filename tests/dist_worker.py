@@ -762,14 +762,27 @@ def run_cases(cases: list[dict]) -> bool:
 
 
 # What a case may leave behind in its process that would change a later case's run: transformers' from_pretrained
-# routed through the loader (`hf_zero3_loader.auto`), an upstream load (transformers' own ZeRO-3 path), a patched
-# loader internal (fault injection), a lowered descriptor limit, ranks that made different calls (`*_by_rank`: their
-# loads' agreement points no longer pair up), a case that failed (seen: a later load's weight conversion no longer
-# matched its checkpoint in the same process), or an `F.linear` replaced by something else than DeepSpeed's
-# memory-efficient linear (which `put_fresh_linear_back` undoes). A pool that ran such a case retires.
-LEAVES_STATE = ("upstream", "callers_zero_init", "inject", "save_inject", "max_open_files")
+# routed through the loader (`hf_zero3_loader.auto`), a patched loader internal (fault injection), a lowered
+# descriptor limit, a caller's own zero.Init, ranks that made different calls (`*_by_rank`: their loads' agreement
+# points no longer pair up), a case that failed (seen: a later load's weight conversion no longer matched its
+# checkpoint in the same process), a torch function DeepSpeed patches left patched, or a ZeRO++ hpZ group. An upstream load (transformers'
+# own ZeRO-3 path) leaves only what `undo_zero3_process_state` puts back: `zero.Init` restores the module and tensor
+# functions it patched on exit (checked in `leaves_state`), keeps DeepSpeed's memory-efficient `F.linear` (as every
+# ZeRO-3 load does, ours too), and transformers keeps a weak reference to the HfDeepSpeedConfig. A pool that ran such
+# a case retires.
+LEAVES_STATE = ("callers_zero_init", "inject", "save_inject", "max_open_files")
 FRESH_SEED = torch.initial_seed()  # the seed a new process starts from
 FRESH_LINEAR = torch.nn.functional.linear
+
+
+def _torch_now() -> dict:
+    """What `zero.Init` patches while it is entered (and restores on exit)."""
+    return {"torch.empty": torch.empty, "torch.zeros": torch.zeros, "torch.tensor": torch.tensor,
+            "Tensor.__new__": torch.Tensor.__new__, "Module.apply": torch.nn.Module.apply,
+            "Module.__init_subclass__": torch.nn.Module.__init_subclass__}
+
+
+FRESH_TORCH = _torch_now()  # as a new process has them
 
 
 def put_fresh_linear_back() -> None:
@@ -786,11 +799,35 @@ def put_fresh_linear_back() -> None:
         torch.nn.functional.linear = FRESH_LINEAR
 
 
+def undo_zero3_process_state() -> None:
+    """Between requests: what a ZeRO-3 load leaves in the process that a new one does not have. DeepSpeed's
+    `F.linear` goes back to torch's; transformers' weak reference to an HfDeepSpeedConfig (a case's, or an upstream
+    load's) is dropped, with the objects that may still hold it."""
+    import gc
+
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    put_fresh_linear_back()
+    unset_hf_deepspeed_config()
+    gc.collect()
+
+
 def leaves_state(cases: list[dict], failed: bool) -> bool:
+    from transformers.integrations.deepspeed import deepspeed_config
+
     return (failed or any(key in case for case in cases for key in LEAVES_STATE)
             or any(key.endswith("_by_rank") for case in cases for key in case)
             or any(case.get("save", {}).get("direct") for case in cases)
-            or "hf_zero3_loader.auto" in sys.modules or torch.nn.functional.linear is not FRESH_LINEAR)
+            or "hf_zero3_loader.auto" in sys.modules or torch.nn.functional.linear is not FRESH_LINEAR
+            or _torch_now() != FRESH_TORCH or deepspeed_config() is not None or _hpz_group_made())
+
+
+def _hpz_group_made() -> bool:
+    """A ZeRO++ hpZ group is process state: DeepSpeed's engine hands it to every later engine's ZeRO-3 partitioning
+    (`_configure_zero_optimizer` takes `groups._get_zero_param_intra_parallel_group()` whatever its config says)."""
+    from deepspeed.utils import groups
+
+    return groups._get_zero_param_intra_parallel_group() is not None
 
 
 def _alive(pid: int) -> bool:
@@ -825,7 +862,7 @@ def serve(folder: str) -> None:
             cases = json.load(f)
         torch.manual_seed(FRESH_SEED)
         failed = run_cases(cases)
-        put_fresh_linear_back()
+        undo_zero3_process_state()
         retire = [leaves_state(cases, failed)]
         dist.broadcast_object_list(retire, src=0)  # rank 0's word, so that all ranks retire together
         dist.barrier()
