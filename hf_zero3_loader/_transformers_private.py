@@ -414,7 +414,6 @@ def auto_class_builds(auto_class, model_type: str, architecture: str) -> bool:
     return architecture in (built if isinstance(built, tuple) else (built,))
 
 
-
 # -- the model's private methods and attributes, as transformers' own load uses them --------------------------------
 # (their hooks above: `_adjust_missing_and_unexpected_keys`, `_init_weights`, `_initialize_weights`, `_get_dtype_plan`,
 # the `_is_hf_initialized` flag, `revert_weight_conversion` reading `_weight_conversions`. `_checkpoint_conversion_mapping`

@@ -243,9 +243,9 @@ def meta_skeleton(module, layout) -> torch.nn.Module:
     skeleton = hf_private.meta_model(type(module), config, dtypes.most_common(1)[0][0] if dtypes else torch.float32)
     if getattr(module, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(module.generation_config)
-    if hf_private.weight_conversions(module) is not None:  # loaded dequantized: saved dequantized
-        hf_private.set_weight_conversions(
-            skeleton, hf_private.conversions_without_dequantize(hf_private.weight_conversions(module)))
+    conversions = hf_private.weight_conversions(module)
+    if conversions is not None:  # loaded dequantized: saved dequantized
+        hf_private.set_weight_conversions(skeleton, hf_private.conversions_without_dequantize(conversions))
     state = skeleton.state_dict(keep_vars=True)
     absent = sorted(n for n in state if n not in wanted)
     extra = sorted(n for n in wanted if n not in state)
